@@ -1,0 +1,156 @@
+"""Butterfly all-reduce whose result is bit-identical on every peer of the group.
+
+hivemind's ``AllReduceRunner`` splits the flat vector of averaged tensors into parts, one range of parts per
+peer ("reducer"). Every peer sends its parts to their reducers; a reducer sums what it receives, and then sends
+each sender the *difference* between the average and that sender's own part, compressed. The sender adds that
+difference to its own unrounded values, and the reducer keeps its own part unrounded. With fp16 on the wire,
+``own + fp16(avg - own)`` differs from peer to peer, so peers drift apart a little more every round.
+
+``ExactAllReduceRunner`` changes one thing: a reducer rounds the average to the wire format *once* and sends that
+same rounded average to every sender, and uses its decompressed value for its own part too. Every peer then holds
+``decompress(compress(avg))`` for every part, the same bits everywhere. The cost is nothing: the message has the
+size of the difference it replaces.
+
+It also counts the payload bytes it sends and receives, and rejects a sender's part that has the wrong shape, a
+non-finite value or a bad weight instead of letting one peer poison the average.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import AsyncIterator, Dict
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.partition import AllreduceException, BannedException
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import PeerID, StubBase
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import get_logger
+from hivemind.utils.asyncio import amap_in_executor
+
+logger = get_logger(__name__)
+
+
+class ExactAllReduceRunner(AllReduceRunner):
+    """An ``AllReduceRunner`` whose outputs are the (rounded) averages themselves, identical on every peer.
+
+    Iterating it yields averaged tensors, not deltas. Parts whose reducer failed come back as this peer's own
+    values (``failed_size`` in ``tensor_part_container`` counts them).
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        # outputs are averages, so a failed reducer's parts must fall back to the local values, not to zero deltas
+        self.tensor_part_container.return_deltas = False
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        # part_index -> the average of that part, serialized once and shared by every sender and by ourselves
+        self._serialized_averages: Dict[int, asyncio.Future] = {}
+
+    @property
+    def _wire_compression(self) -> runtime_pb2.CompressionType:
+        return self.tensor_part_container.compression.compression_type
+
+    async def _serialize_average(self, part_index: int, averaged_part: torch.Tensor) -> runtime_pb2.Tensor:
+        """Compress the average of one part once; every caller for that part gets the same message."""
+        if part_index not in self._serialized_averages:
+            loop = asyncio.get_event_loop()
+            self._serialized_averages[part_index] = loop.run_in_executor(
+                None, serialize_torch_tensor, averaged_part, self._wire_compression
+            )
+        return await self._serialized_averages[part_index]
+
+    def _get_peer_stub(self, peer: PeerID) -> StubBase:
+        return _CountingStub(super()._get_peer_stub(peer), self)
+
+    async def _communicate_with_peer(self, peer_id: PeerID):
+        if peer_id != self.peer_id:
+            # the remote reducer answers with the rounded average itself, which the base class registers as is
+            return await super()._communicate_with_peer(peer_id)
+
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            averaged_part = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, tensor_part, weight=self.weight
+            )
+            serialized = await self._serialize_average(part_index, averaged_part)
+            # use exactly what the other senders receive: decompress(compress(average))
+            self.tensor_part_container.register_processed_part(
+                peer_index, part_index, deserialize_torch_tensor(serialized)
+            )
+
+    async def _accumulate_parts_streaming(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Reducer side: add one sender's parts into the running sums, answer each with the rounded average."""
+        sender = self.sender_peer_ids[sender_index]
+
+        def _deserialize(msg: averaging_pb2.AveragingData):
+            return deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.ByteSize()
+
+        part_index = 0
+        try:
+            async for tensor_part, weight, num_bytes in amap_in_executor(
+                _deserialize, stream, max_prefetch=self.tensor_part_container.prefetch
+            ):
+                self.bytes_received += num_bytes  # counted here, in the event loop, not in the executor thread
+                problem = self._check_part(part_index, tensor_part, weight)
+                if problem:
+                    logger.warning(f"Rejected a tensor part from {sender}: {problem}; excluding it from this round")
+                    raise AllreduceException(f"{sender} sent a bad tensor part: {problem}")
+                try:
+                    averaged_part = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=weight
+                    )
+                except BannedException:
+                    logger.debug(f"Sender {sender} is already banned")
+                    break  # sender was banned, we no longer need to aggregate it
+                serialized = await self._serialize_average(part_index, averaged_part)
+                part_index += 1
+                reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+                self.bytes_sent += reply.ByteSize()
+                yield reply
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(sender)
+
+    def _check_part(self, part_index: int, tensor_part: torch.Tensor, weight: float) -> str:
+        """Why a sender's part must not enter the average, or an empty string if it may."""
+        if part_index >= self.tensor_part_reducer.num_parts:
+            return f"part #{part_index} is beyond the {self.tensor_part_reducer.num_parts} parts of this reducer"
+        expected_shape = self.tensor_part_reducer.part_shapes[part_index]
+        if tensor_part.shape != expected_shape:
+            return f"part #{part_index} has shape {tuple(tensor_part.shape)}, expected {tuple(expected_shape)}"
+        if not (math.isfinite(weight) and weight >= 0):
+            return f"weight {weight} is not a finite non-negative number"
+        if not torch.isfinite(tensor_part).all():
+            return f"part #{part_index} contains NaN or infinite values"
+        return ""
+
+    def finalize(self, **kwargs):
+        super().finalize(**kwargs)
+        self._serialized_averages.clear()
+
+
+class _CountingStub:
+    """Wraps a peer stub so that the bytes of ``rpc_aggregate_part`` in both directions are counted."""
+
+    def __init__(self, stub: StubBase, runner: ExactAllReduceRunner):
+        self._stub, self._runner = stub, runner
+
+    async def rpc_aggregate_part(self, requests: AsyncIterator[averaging_pb2.AveragingData], *args, **kwargs):
+        stream = await self._stub.rpc_aggregate_part(self._count_sent(requests), *args, **kwargs)
+        return self._count_received(stream)
+
+    async def _count_sent(self, requests):
+        async for msg in requests:
+            self._runner.bytes_sent += msg.ByteSize()
+            yield msg
+
+    async def _count_received(self, stream):
+        async for msg in stream:
+            self._runner.bytes_received += msg.ByteSize()
+            yield msg

@@ -1,0 +1,131 @@
+"""One averaging round over the swarm: hivemind's matchmaking, p2ptrain's exact all-reduce."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+from hivemind import DHT
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.dht import DHTID
+from hivemind.utils import get_logger
+from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
+
+from p2ptrain.averaging.allreduce import ExactAllReduceRunner
+from p2ptrain.averaging.compression import get_compression
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class RoundResult:
+    """What one all-reduce round did, as seen by one peer. Returned to the host process from the averager."""
+
+    group_size: int
+    """peers in the group, this one included"""
+    bytes_sent: int = 0
+    """payload bytes this peer sent: its parts to other reducers, averages back to other senders"""
+    bytes_received: int = 0
+    """payload bytes this peer received"""
+    failed_fraction: float = 0.0
+    """fraction of the vector whose reducer failed; those values stayed this peer's own"""
+    gathered: Dict[str, Any] = field(default_factory=dict)
+    """peer id (base58) -> the metadata that peer attached to this round (its samples, its outer step)"""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class PseudoGradientAverager(DecentralizedAverager):
+    """Averages a fixed set of CPU tensors with the peers that are ready at the same time.
+
+    Unlike its hivemind parent, the result is identical on every peer of a group (see ``ExactAllReduceRunner``),
+    the tensors are only overwritten when the round succeeded end to end (a failed round leaves them untouched,
+    so a retry never averages a half-averaged vector), and ``step`` returns a ``RoundResult``.
+    Peers that use a different compression never end up in one group: the compression is part of the schema hash
+    that matchmaking compares.
+    """
+
+    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: DHT, *, compression: str, **kwargs):
+        self.compression_name = compression
+        super().__init__(averaged_tensors, dht, compression=get_compression(compression), start=False, **kwargs)
+        schema = [self.schema_hash.hex(), f"compression={compression}"]
+        self.schema_hash = DHTID.generate(source=schema).to_bytes()
+
+    def run(self):
+        # Runs in the child process. The parent owns SIGINT (first = graceful, second = force) and shuts us down;
+        # ignoring it here is what hivemind's run_in_background does too, but without touching the parent's handler.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        super().run()
+
+    def start_in_background(self, timeout_s: float) -> None:
+        """Start the averager process and wait until it serves requests. Safe to call from any thread."""
+        self.start()
+        self.wait_until_ready(timeout_s)
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs) -> RoundResult:
+        try:
+            bandwidths, mode_ids, user_gathered_bytes = zip(*map(self.serializer.loads, group_info.gathered))
+            gathered = {
+                peer_id.to_base58(): self.serializer.loads(data)
+                for peer_id, data in zip(group_info.peer_ids, user_gathered_bytes)
+            }
+            modes = tuple(map(AveragingMode, mode_ids))
+            download_bandwidths = [
+                bandwidth if mode != AveragingMode.CLIENT else 0.0 for bandwidth, mode in zip(bandwidths, modes)
+            ]
+            peer_fractions = await asyncio.get_event_loop().run_in_executor(
+                None, load_balance_peers, self.total_size, download_bandwidths, min_vector_size
+            )
+            async with enter_asynchronously(self.get_tensors()) as local_tensors:
+                result = await self._run_allreduce_inplace_(
+                    local_tensors, group_info, peer_fractions=peer_fractions, **kwargs
+                )
+            result.gathered = gathered
+            return result
+        except BaseException as e:
+            if isinstance(e, Exception):
+                logger.debug(f"All-reduce failed: {e!r}", exc_info=True)
+            raise MatchmakingException(f"Unable to run All-Reduce: {e}")
+
+    async def _run_allreduce_inplace_(
+        self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: Optional[bytes] = None, **kwargs
+    ) -> RoundResult:
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = ExactAllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
+        self._running_groups[group_id].set_result(runner)
+
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+            async for _ in runner:
+                raise ValueError("aux peers should not receive averaged tensors")
+        else:
+            # collect first, write after: a round that fails half-way must leave the local tensors as they were
+            averaged = [averaged_tensor async for _, averaged_tensor in azip(as_aiter(*tensors), runner)]
+            for tensor, averaged_tensor in zip(tensors, averaged):
+                tensor.copy_(averaged_tensor)
+            self.last_updated = time.time()
+
+        container = runner.tensor_part_container
+        return RoundResult(
+            group_size=len(group_info.peer_ids),
+            bytes_sent=runner.bytes_sent,
+            bytes_received=runner.bytes_received,
+            failed_fraction=container.failed_size / max(container.total_size, 1),
+        )

@@ -1,0 +1,138 @@
+"""DiLoCoOptimizer against real hivemind peers on 127.0.0.1: exact math, identical bits across peers."""
+
+from __future__ import annotations
+
+import threading
+from functools import partial
+
+import hivemind
+import pytest
+import torch
+
+from p2ptrain import DiLoCoOptimizer
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
+
+INNER = partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95))
+OUTER = partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+
+
+def batches(peer: int, num: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1000 + peer)
+    return [(torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(num)]
+
+
+@pytest.fixture
+def two_dhts():
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
+    yield first, second
+    second.shutdown()
+    first.shutdown()
+
+
+def train_peers(dhts, *, compression: str, local_steps: int, outer_steps: int, run_id: str):
+    """Drive one DiLoCoOptimizer per DHT from its own thread; return models, optimizers and per-sync snapshots."""
+    models = [make_model() for _ in dhts]
+    data = [batches(i, local_steps * outer_steps) for i in range(len(dhts))]
+    opts = [
+        DiLoCoOptimizer(
+            model.parameters(),
+            dht=dht,
+            run_id=run_id,
+            local_steps=local_steps,
+            inner_optimizer=INNER,
+            outer_optimizer=OUTER,
+            compression=compression,
+            matchmaking_time_s=3.0,
+            averaging_timeout_s=30.0,
+            batch_size=8,
+            target_group_size=len(dhts),
+        )
+        for model, dht in zip(models, dhts)
+    ]
+    # snapshots[peer][k] = parameters right after sync k+1; inner_end[peer][k] = parameters right before it
+    snapshots = [[] for _ in dhts]
+    before_sync = [[] for _ in dhts]
+    errors = []
+
+    def run(i: int):
+        try:
+            model, opt = models[i], opts[i]
+            for step, (x, y) in enumerate(data[i]):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                if (step + 1) % local_steps == 0:
+                    # the sync happens inside this step(): record what the inner step alone gives
+                    opt.inner_optimizer.step()
+                    before_sync[i].append([p.detach().clone() for p in model.parameters()])
+                    opt.local_step += 1
+                    opt.samples_since_sync += 8
+                    opt.sync()
+                    snapshots[i].append([p.detach().clone() for p in model.parameters()])
+                else:
+                    opt.step()
+                opt.zero_grad()
+        except BaseException as e:  # surfaced in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(dhts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=150)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "a training thread hung"
+    return models, opts, snapshots, before_sync
+
+
+def test_two_peers_match_single_process_math(two_dhts):
+    local_steps, outer_steps = 4, 3
+    models, opts, snapshots, before_sync = train_peers(
+        two_dhts, compression="none", local_steps=local_steps, outer_steps=outer_steps, run_id="exact"
+    )
+    try:
+        for opt in opts:
+            assert opt.outer_step == outer_steps
+            assert all(r.averaged and r.group_size == 2 for r in opt.history), opt.history
+
+        # the same math in one process: mean pseudo-gradient, then the outer optimizer
+        reference = [p.detach().clone() for p in make_model().parameters()]
+        ref_params = [torch.nn.Parameter(p.clone()) for p in reference]
+        ref_outer = OUTER(ref_params)
+        for k in range(outer_steps):
+            with torch.no_grad():
+                for j, g in enumerate(ref_params):
+                    g.grad = torch.stack([g - before_sync[i][k][j] for i in range(2)]).mean(0)
+            ref_outer.step()
+            for i in range(2):
+                for got, want in zip(snapshots[i][k], ref_params):
+                    torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)
+    finally:
+        for opt in opts:
+            opt.close()
+
+
+def test_fp16_syncs_leave_peers_bit_identical(two_dhts):
+    models, opts, snapshots, _ = train_peers(
+        two_dhts, compression="fp16", local_steps=3, outer_steps=4, run_id="bits"
+    )
+    try:
+        for k in range(4):
+            for a, b in zip(snapshots[0][k], snapshots[1][k]):
+                assert torch.equal(a, b), f"parameters differ after fp16 sync {k + 1}"
+        for a, b in zip(opts[0].global_params, opts[1].global_params):
+            assert torch.equal(a, b)
+        state_a, state_b = opts[0].outer_optimizer.state_dict(), opts[1].outer_optimizer.state_dict()
+        for key in state_a["state"]:
+            assert torch.equal(state_a["state"][key]["momentum_buffer"], state_b["state"][key]["momentum_buffer"])
+        for opt in opts:
+            assert all(r.group_size == 2 and r.bytes_sent > 0 and r.bytes_received > 0 for r in opt.history)
+    finally:
+        for opt in opts:
+            opt.close()
