@@ -82,6 +82,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     :param client_mode: never accept incoming connections (for peers behind NAT); defaults to the DHT's mode
     :param averager_start_timeout_s: how long the averager process may take to start
     :param progress_period_s: how often the peer's progress record in the DHT is refreshed between syncs
+    :param progress: publish progress through this publisher (e.g. one that already carries a shard claim)
     """
 
     def __init__(
@@ -103,6 +104,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         client_mode: Optional[bool] = None,
         averager_start_timeout_s: float = 60.0,
         progress_period_s: float = 5.0,
+        progress: Optional[ProgressPublisher] = None,
     ):
         if local_steps < 1:
             raise ValueError(f"local_steps must be at least 1, got {local_steps}")
@@ -158,7 +160,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             shutdown_timeout=5,
         )
         self.averager.start_in_background(timeout_s=averager_start_timeout_s)
-        self.progress = ProgressPublisher(dht, run_id, period_s=progress_period_s, client_mode=self.averager.client_mode)
+        self.progress = progress or ProgressPublisher(dht, run_id, period_s=progress_period_s)
+        self.progress.client_mode = self.averager.client_mode
         self._throughput_since = time.monotonic()
         self._throughput_samples = 0
         self.samples_per_s = 0.0

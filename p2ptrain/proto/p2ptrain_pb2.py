@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ep2ptrain.proto\x12\x08p2ptrain\"\xb2\x01\n\x0cPeerProgress\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x12\n\nouter_step\x18\x03 \x01(\x04\x12\x12\n\nlocal_step\x18\x04 \x01(\x04\x12\x15\n\rsamples_per_s\x18\x05 \x01(\x01\x12\x11\n\ttimestamp\x18\x06 \x01(\x01\x12\x1a\n\x12samples_since_sync\x18\x07 \x01(\x04\x12\x13\n\x0b\x63lient_mode\x18\x08 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ep2ptrain.proto\x12\x08p2ptrain\"\xdc\x01\n\x0cPeerProgress\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x12\n\nouter_step\x18\x03 \x01(\x04\x12\x12\n\nlocal_step\x18\x04 \x01(\x04\x12\x15\n\rsamples_per_s\x18\x05 \x01(\x01\x12\x11\n\ttimestamp\x18\x06 \x01(\x01\x12\x1a\n\x12samples_since_sync\x18\x07 \x01(\x04\x12\x13\n\x0b\x63lient_mode\x18\x08 \x01(\x08\x12\x18\n\x0bshard_index\x18\t \x01(\rH\x00\x88\x01\x01\x42\x0e\n\x0c_shard_indexb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,5 +32,5 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'p2ptrain_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PEERPROGRESS']._serialized_start=29
-  _globals['_PEERPROGRESS']._serialized_end=207
+  _globals['_PEERPROGRESS']._serialized_end=249
 # @@protoc_insertion_point(module_scope)

@@ -37,6 +37,8 @@ class ProgressPublisher:
         # a record outlives a few missed refreshes, not much more: status should drop dead peers quickly
         self.expiration_s = max(3 * period_s, 30.0)
         self._last_published = -math.inf
+        self.shard_index: Optional[int] = None
+        """the data shard this peer claimed, published with every record (see swarm/shards.py)"""
 
     def due(self) -> bool:
         return time.monotonic() - self._last_published >= self.period_s
@@ -51,6 +53,7 @@ class ProgressPublisher:
             timestamp=get_dht_time(),
             samples_since_sync=samples_since_sync,
             client_mode=self.client_mode,
+            shard_index=self.shard_index,
         )
         self._store(record.SerializeToString(), get_dht_time() + self.expiration_s)
         self._last_published = time.monotonic()

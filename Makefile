@@ -1,0 +1,22 @@
+# The two Quickstart commands: `make demo` and `make test`. Both install what they need first.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+# CPU torch where no NVIDIA driver is present: an unpinned torch pulls several GB of CUDA packages.
+TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.1" || echo "torch==2.13.0")
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-all
+
+setup:
+	$(PIP) install --quiet "$(TORCH_SPEC)"
+	$(PIP) install --quiet -e ".[test]"
+
+demo: setup
+	$(PYTHON) -m p2ptrain demo --workers 2 --outer-steps 5 --local-steps 20
+
+# the default suite: unit and swarm tests, well under 15 minutes on 2 cores
+test: setup
+	$(PYTHON) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: setup
+	$(PYTHON) -m pytest $(PYTEST_ARGS)

@@ -1,0 +1,350 @@
+"""The ``p2ptrain`` command: parse, load config, hand off to a daemon; exit codes; signals.
+
+This is the only module that reads environment variables (``P2PTRAIN_*``, through click) and configures logging.
+Exit codes: 0 done, 2 bad input (flag, config, file, address, unreachable swarm), 130 forced stop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import MISSING, fields
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import click
+
+from p2ptrain import __version__
+
+logger = logging.getLogger("p2ptrain.cli")
+
+EXIT_BAD_INPUT = 2
+EXIT_FORCED = 130
+
+
+class BadInput(click.ClickException):
+    """A user mistake: printed as one line, exit code 2."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class _TqdmHandler(logging.Handler):
+    """Writes log lines around a running progress bar instead of through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+def setup_logging(verbose: bool) -> None:
+    handler = _TqdmHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("p2ptrain")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    root.propagate = False
+    if not verbose:
+        logging.getLogger("hivemind").setLevel(logging.WARNING)
+
+
+def install_stop_handlers(on_first: Callable[[], None]) -> None:
+    """First SIGINT/SIGTERM: ``on_first`` (graceful stop). Second: kill our process tree and exit 130."""
+    main_pid = os.getpid()
+    received = []
+
+    def handler(signum, _frame):
+        if os.getpid() != main_pid:
+            # a forked hivemind child inherited this handler: behave as the default would (terminate)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        received.append(signum)
+        name = signal.Signals(signum).name
+        if len(received) == 1:
+            logger.warning(f"{name}: finishing the current step and leaving cleanly (send it again to force)")
+            on_first()
+        else:
+            logger.warning(f"{name} again: forcing exit")
+            kill_process_tree()
+            os._exit(EXIT_FORCED)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def kill_process_tree() -> None:
+    """Kill every descendant (hivemind DHT and averager processes, their p2pd) so nothing is orphaned."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(children, timeout=5)
+
+
+# --------------------------------------------------------------------------------------- config-backed options
+
+# (flag, config field, click kwargs). The config field's default is shown in --help; a flag or its P2PTRAIN_*
+# variable only overrides the config file when it was actually given.
+RUN_OPTIONS: List[Tuple[str, str, Dict[str, Any]]] = [
+    ("--run-id", "run_id", dict(help="Training run name; peers of one run must share it.")),
+    ("--initial-peers", "swarm.initial_peers", dict(multiple=True, help="Multiaddr of a live peer (repeatable).")),
+    ("--host-maddrs", "swarm.host_maddrs", dict(multiple=True, help="Multiaddr to listen on (repeatable).")),
+    ("--announce-maddrs", "swarm.announce_maddrs",
+     dict(multiple=True, help="Multiaddr others should dial, e.g. your public IP and forwarded port (repeatable).")),
+    ("--identity", "swarm.identity_path", dict(help="Private key file for a stable peer id; created if missing.")),
+    ("--client-mode/--no-client-mode", "swarm.client_mode",
+     dict(help="Accept no incoming connections: for hosts behind NAT without port forwarding.")),
+    ("--use-relay/--no-use-relay", "swarm.use_relay",
+     dict(help="Allow libp2p circuit relays to carry traffic of peers that cannot be dialled.")),
+    ("--use-auto-relay/--no-use-auto-relay", "swarm.use_auto_relay",
+     dict(help="Find relays and advertise relayed addresses (behind NAT).")),
+    ("--bootstrap-timeout", "swarm.bootstrap_timeout_s",
+     dict(type=float, help="Seconds to wait for an initial peer to answer.")),
+    ("--local-steps", "diloco.local_steps", dict(type=click.IntRange(min=1), help="Inner steps between syncs (H).")),
+    ("--inner-lr", "diloco.inner_lr", dict(type=float, help="AdamW learning rate.")),
+    ("--outer-lr", "diloco.outer_lr", dict(type=float, help="Outer SGD (Nesterov) learning rate.")),
+    ("--compression", "diloco.compression",
+     dict(type=click.Choice(["none", "fp16"]), help="Pseudo-gradients on the wire.")),
+    ("--matchmaking-time", "diloco.matchmaking_time_s",
+     dict(type=float, help="Seconds peers look for each other before a round.")),
+    ("--averaging-timeout", "diloco.averaging_timeout_s",
+     dict(type=float, help="Seconds the all-reduce may take once a group formed.")),
+    ("--min-group-size", "diloco.min_group_size", dict(type=click.IntRange(min=1), help="Peers a round needs.")),
+    ("--target-group-size", "diloco.target_group_size",
+     dict(type=click.IntRange(min=1), help="Most peers per group; a full group starts at once.")),
+    ("--no-group-policy", "diloco.no_group_policy",
+     dict(type=click.Choice(["apply_local", "wait"]), help="What to do when nobody is there to average with.")),
+    ("--model", "train.model", dict(help="Built-in model size: tiny, small, 124m.")),
+    ("--batch-size", "train.batch_size", dict(type=click.IntRange(min=1), help="Sequences per inner step.")),
+    ("--seed", "train.seed", dict(type=int, help="Model init seed; the same on every peer of a run.")),
+    ("--data", "train.data",
+     dict(multiple=True, help="Text file or folder of .txt files to train on (repeatable); default: built-in.")),
+    ("--num-shards", "train.num_shards", dict(type=click.IntRange(min=1), help="Disjoint shards of the data.")),
+    ("--shard-index", "train.shard_index",
+     dict(type=click.IntRange(min=0), help="Train on this shard; default: claim a free one.")),
+    ("--device", "train.device", dict(help="auto, cpu, cuda or cuda:N (bf16 autocast on CUDA).")),
+    ("--max-outer-steps", "train.max_outer_steps",
+     dict(type=click.IntRange(min=1), help="Leave cleanly after this many syncs; default: until stopped.")),
+    ("--eval-batches", "train.eval_batches", dict(type=click.IntRange(min=1), help="Held-out batches per eval.")),
+    ("--log-interval", "train.log_interval_s", dict(type=float, help="Seconds between log lines.")),
+    ("--threads", "train.threads", dict(type=click.IntRange(min=1), help="torch CPU threads.")),
+]
+
+
+def _default_of(dotted: str) -> Any:
+    from p2ptrain.config import RunConfig
+
+    target: Any = RunConfig
+    for part in dotted.split("."):
+        field_ = {f.name: f for f in fields(target)}[part]
+        if field_.default is not MISSING:
+            value = field_.default
+        else:
+            value = field_.default_factory()
+        target = value
+    return value
+
+
+def _env_name(flag: str) -> str:
+    return "P2PTRAIN_" + flag.split("/")[0].lstrip("-").replace("-", "_").upper()
+
+
+def run_options(only: Optional[set] = None) -> Callable:
+    """Attach the config-backed options (or the subset whose config field is in ``only``) to a command."""
+
+    def decorate(command: Callable) -> Callable:
+        for flag, dotted, kwargs in reversed(RUN_OPTIONS):
+            if only is not None and dotted not in only:
+                continue
+            default = _default_of(dotted)
+            shown = ", ".join(map(str, default)) if isinstance(default, list) else default
+            command = click.option(
+                flag,
+                dotted.replace(".", "__"),
+                default=None,
+                envvar=_env_name(flag),
+                show_envvar=True,
+                show_default=str(shown) if shown not in (None, "", []) else False,
+                **kwargs,
+            )(command)
+        return command
+
+    return decorate
+
+
+def overrides_from(ctx: click.Context, params: Dict[str, Any]) -> Dict[str, Any]:
+    """The config settings the user actually gave, as flags or P2PTRAIN_* variables."""
+    given = (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)
+    overrides = {}
+    for _, dotted, _ in RUN_OPTIONS:
+        name = dotted.replace(".", "__")
+        if name in params and ctx.get_parameter_source(name) in given:
+            value = params[name]
+            overrides[dotted] = list(value) if isinstance(value, tuple) else value
+    return overrides
+
+
+def load_run_config(ctx: click.Context, config_path: Optional[str], params: Dict[str, Any]):
+    from p2ptrain.config import ConfigError, load_config
+
+    try:
+        return load_config(config_path, overrides_from(ctx, params))
+    except ConfigError as e:
+        raise BadInput(str(e)) from None
+
+
+# ------------------------------------------------------------------------------------------------ commands
+
+
+@click.group(context_settings=dict(show_default=True, max_content_width=110))
+@click.version_option(__version__, prog_name="p2ptrain")
+@click.option("-v", "--verbose", is_flag=True, envvar="P2PTRAIN_VERBOSE", help="Debug logging, hivemind's too.")
+@click.pass_context
+def cli(ctx: click.Context, verbose: bool) -> None:
+    """Decentralized low-communication training: DiLoCo over a hivemind DHT."""
+    setup_logging(verbose)
+
+
+@cli.command()
+@run_options(only={"swarm.initial_peers", "swarm.host_maddrs", "swarm.announce_maddrs", "swarm.identity_path",
+                   "swarm.use_relay", "swarm.bootstrap_timeout_s"})
+@click.option("--maddrs-file", type=click.Path(dir_okay=False, writable=True), envvar="P2PTRAIN_MADDRS_FILE",
+              show_envvar=True, help="Also write the visible multiaddrs to this file, one per line.")
+@click.option("--config", "config_path", type=click.Path(), envvar="P2PTRAIN_CONFIG", show_envvar=True,
+              help="TOML config file (its [swarm] table is used).")
+@click.pass_context
+def bootstrap(ctx: click.Context, maddrs_file: Optional[str], config_path: Optional[str], **params) -> None:
+    """Run a DHT-only bootstrap peer (no model) until SIGINT/SIGTERM."""
+    from p2ptrain.peer import run_bootstrap
+    from p2ptrain.swarm.dht import SwarmError
+
+    config = load_run_config(ctx, config_path, params)
+    stop = threading.Event()
+    install_stop_handlers(stop.set)
+    try:
+        run_bootstrap(config.swarm, maddrs_file=maddrs_file, stop=stop)
+    except SwarmError as e:
+        raise BadInput(str(e)) from None
+
+
+@cli.command()
+@run_options()
+@click.option("--config", "config_path", type=click.Path(), envvar="P2PTRAIN_CONFIG", show_envvar=True,
+              help="TOML config file; flags and P2PTRAIN_* variables override it.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False), envvar="P2PTRAIN_REPORT",
+              show_envvar=True, help="Write a JSON report (losses, every sync) here on exit.")
+@click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
+@click.pass_context
+def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[str], progress: bool, **params) -> None:
+    """Join a run as a training peer."""
+    from p2ptrain.data import DataError
+    from p2ptrain.peer import Worker
+    from p2ptrain.swarm.dht import SwarmError
+
+    config = load_run_config(ctx, config_path, params)
+    if not config.swarm.initial_peers:
+        logger.warning("no --initial-peers: starting a new swarm; others can join through the addresses below")
+    worker = Worker(config, report_path=report_path, show_progress=progress)
+    install_stop_handlers(worker.request_stop)
+    try:
+        report = worker.run()
+    except (DataError, SwarmError, ValueError) as e:
+        raise BadInput(str(e)) from None
+    logger.info(
+        f"[{report.peer_id}] left after {report.outer_steps} outer steps ({report.stopped_by or 'data exhausted'}); "
+        f"eval loss {report.initial_eval_loss:.4f} -> {report.final_eval_loss:.4f}"
+    )
+
+
+@cli.command()
+@run_options(only={"run_id", "swarm.initial_peers", "swarm.bootstrap_timeout_s"})
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@click.pass_context
+def status(ctx: click.Context, as_json: bool, **params) -> None:
+    """List the peers of a run with their progress, then exit."""
+    from p2ptrain.swarm.dht import SwarmError, start_dht, stop_dht
+    from p2ptrain.swarm.progress import fetch_progress
+
+    config = load_run_config(ctx, None, params)
+    if not config.swarm.initial_peers:
+        raise BadInput("status needs --initial-peers: the multiaddr of any live peer of the run")
+    swarm = config.swarm
+    swarm.client_mode, swarm.host_maddrs = True, ["/ip4/0.0.0.0/tcp/0"]
+    try:
+        dht = start_dht(swarm)
+    except SwarmError as e:
+        raise BadInput(str(e)) from None
+    try:
+        records = fetch_progress(dht, config.run_id)
+    finally:
+        stop_dht(dht)
+
+    peers = [
+        dict(peer_id=r.peer_id, outer_step=r.outer_step, local_step=r.local_step,
+             samples_per_s=round(r.samples_per_s, 2), last_seen=round(r.timestamp, 3))
+        for r in records
+    ]
+    if as_json:
+        click.echo(json.dumps({"run_id": config.run_id, "peers": peers}))
+        return
+    click.echo(f"run {config.run_id}: {len(peers)} peer(s)")
+    if peers:
+        click.echo(f"{'peer_id':<54} {'outer':>6} {'local':>8} {'samples/s':>10} {'last seen':>10}")
+        for p in peers:
+            age = max(0.0, time.time() - p["last_seen"])
+            click.echo(f"{p['peer_id']:<54} {p['outer_step']:>6} {p['local_step']:>8} "
+                       f"{p['samples_per_s']:>10.1f} {age:>8.0f}s ago")
+
+
+@cli.command()
+@click.option("--workers", type=click.IntRange(min=1, max=16), default=2, help="Training peers to start.")
+@click.option("--outer-steps", type=click.IntRange(min=1), default=5, help="Syncs each worker runs.")
+@click.option("--local-steps", type=click.IntRange(min=1), default=20, help="Inner steps between syncs.")
+@click.option("--model", default="tiny", help="Built-in model size.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the per-worker table as JSON.")
+@click.option("--keep-logs", is_flag=True, help="Keep the workers' log folder even when all went well.")
+def demo(workers: int, outer_steps: int, local_steps: int, model: str, json_path: Optional[str],
+         keep_logs: bool) -> None:
+    """Train the built-in model with a bootstrap peer and N workers on 127.0.0.1."""
+    from p2ptrain.demo import DemoError, run_demo
+
+    stop = threading.Event()
+    install_stop_handlers(stop.set)
+    try:
+        run_demo(workers=workers, outer_steps=outer_steps, local_steps=local_steps, model=model,
+                 json_path=json_path, keep_logs=keep_logs, stop=stop)
+    except DemoError as e:
+        click.echo(f"Error: {e}", err=True)
+        sys.exit(1)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Entry point: click's errors and ours become one line on stderr with exit code 2."""
+    try:
+        code = cli.main(args=argv, prog_name="p2ptrain", standalone_mode=False)
+    except click.exceptions.Abort:
+        sys.exit(EXIT_FORCED)
+    except click.UsageError as e:
+        command = e.ctx.command_path if e.ctx else "p2ptrain"
+        click.echo(f"Error: {e.format_message()} (see '{command} --help')", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    except click.ClickException as e:
+        click.echo(f"Error: {e.format_message()}", err=True)
+        sys.exit(e.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""Run configuration: one dataclass per component, loaded from TOML, overridden by flags, validated.
+
+A config file mirrors the dataclasses::
+
+    run_id = "exp1"
+
+    [swarm]
+    initial_peers = ["/ip4/203.0.113.7/tcp/31337/p2p/Qm..."]
+
+    [diloco]
+    local_steps = 500
+
+    [train]
+    model = "small"
+
+Precedence, highest first: command-line flag, P2PTRAIN_* environment variable, config file, default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from p2ptrain.averaging.compression import COMPRESSIONS
+from p2ptrain.diloco import NO_GROUP_POLICIES
+from p2ptrain.swarm.dht import SwarmConfig, check_maddrs
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A bad config value or file; the message names the field and the fix."""
+
+
+@dataclass
+class DiLoCoConfig:
+    """The DiLoCo optimizer: inner AdamW, outer SGD with Nesterov momentum, averaging."""
+
+    local_steps: int = 500
+    """H: inner steps between syncs; more means less communication and more drift between peers"""
+    inner_lr: float = 4e-4
+    """AdamW learning rate"""
+    inner_weight_decay: float = 0.1
+    inner_betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    outer_lr: float = 0.7
+    """outer SGD learning rate (0.7 in the DiLoCo paper)"""
+    outer_momentum: float = 0.9
+    """outer Nesterov momentum"""
+    compression: str = "fp16"
+    """pseudo-gradients on the wire: "fp16" (half the bytes) or "none" (fp32)"""
+    matchmaking_time_s: float = 5.0
+    """how long peers look for each other before a round; raise it on slow links or if groups split"""
+    averaging_timeout_s: float = 60.0
+    """how long the all-reduce may take once a group formed; raise it for big models on slow links"""
+    min_group_size: int = 2
+    """a round needs at least this many peers"""
+    target_group_size: Optional[int] = None
+    """at most this many peers per group; a full group starts without waiting out matchmaking_time_s"""
+    no_group_policy: str = "apply_local"
+    """when nobody is there to average with: "apply_local" (own pseudo-gradient) or "wait" (look again)"""
+
+
+@dataclass
+class TrainConfig:
+    """The local training loop of a worker."""
+
+    model: str = "tiny"
+    """built-in model size: tiny, small, 124m"""
+    batch_size: int = 16
+    """sequences per inner step"""
+    seed: int = 0
+    """model initialisation seed; every peer of a run must use the same one"""
+    data: List[str] = field(default_factory=list)
+    """text files or folders of .txt files to train on; empty: the built-in corpus"""
+    num_shards: int = 16
+    """the training text is cut into this many disjoint shards; peers claim different ones"""
+    shard_index: Optional[int] = None
+    """train on this shard; unset: claim a free one through the DHT"""
+    device: str = "auto"
+    """auto, cpu or cuda (bf16 autocast on CUDA)"""
+    max_outer_steps: Optional[int] = None
+    """leave cleanly after this many syncs; unset: train until stopped"""
+    eval_batches: int = 8
+    """held-out batches for the eval loss, measured at start and after every sync"""
+    log_interval_s: float = 10.0
+    """seconds between log lines"""
+    threads: Optional[int] = None
+    """torch CPU threads; unset: torch's default"""
+
+
+@dataclass
+class RunConfig:
+    run_id: str = "p2ptrain"
+    """namespaces every DHT key of a training run; peers of one run must share it"""
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {"swarm": SwarmConfig, "diloco": DiLoCoConfig, "train": TrainConfig}
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Optional[Dict[str, Any]] = None) -> RunConfig:
+    """Defaults, then the TOML file at ``path``, then ``overrides`` ({"diloco.local_steps": 20, "run_id": ...})."""
+    config = RunConfig()
+    if path is not None:
+        _apply(config, _read_toml(Path(path)), source=str(path))
+    for dotted, value in (overrides or {}).items():
+        section, _, name = dotted.rpartition(".")
+        _set(config, section, name, value, source="command line")
+    validate(config)
+    return config
+
+
+def _read_toml(path: Path) -> Dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass an existing TOML file to --config")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path} is not valid TOML ({e}); fix the syntax at that spot") from None
+
+
+def _apply(config: RunConfig, table: Dict[str, Any], source: str) -> None:
+    for key, value in table.items():
+        if key in SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: [{key}] must be a table")
+            for name, item in value.items():
+                _set(config, key, name, item, source)
+        else:
+            _set(config, "", key, value, source)
+
+
+def _set(config: RunConfig, section: str, name: str, value: Any, source: str) -> None:
+    target = getattr(config, section) if section else config
+    if section and section not in SECTIONS:
+        raise ConfigError(f"{source}: unknown section [{section}]; sections are {', '.join(SECTIONS)}")
+    fields = {f.name: f for f in dataclasses.fields(target)}
+    where = f"{section}.{name}" if section else name
+    if name not in fields or (not section and name in SECTIONS):
+        known = ", ".join(f for f in fields if f not in SECTIONS)
+        raise ConfigError(f"{source}: unknown setting {where!r}; known settings here: {known}")
+    setattr(target, name, _coerce(fields[name], value, where, source))
+
+
+def _coerce(f: dataclasses.Field, value: Any, where: str, source: str) -> Any:
+    """Check a value against the field's declared type, with the one-line message the user needs."""
+    kind = str(f.type)
+    if value is None:
+        if "Optional" in kind:
+            return None
+        raise ConfigError(f"{source}: {where} cannot be empty")
+    if kind.startswith("List"):
+        if isinstance(value, (str, int, float)):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{source}: {where} must be a list, got {value!r}")
+        return list(value)
+    expected = {"int": int, "float": float, "str": str, "bool": bool}
+    for name, typ in expected.items():
+        if name in kind:
+            if typ is float and isinstance(value, int) and not isinstance(value, bool):
+                return float(value)
+            if typ is not bool and isinstance(value, bool) or not isinstance(value, typ):
+                raise ConfigError(f"{source}: {where} must be {'a' if name != 'int' else 'an'} {name}, got {value!r}")
+            return value
+    return value
+
+
+def validate(config: RunConfig) -> None:
+    """Raise ConfigError for values that cannot work, naming the setting and the fix."""
+    d, t, s = config.diloco, config.train, config.swarm
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    need(bool(config.run_id) and "." not in config.run_id and " " not in config.run_id,
+         f"run_id {config.run_id!r} must be non-empty without dots or spaces; e.g. --run-id exp1")
+    need(d.local_steps >= 1, f"diloco.local_steps must be at least 1, got {d.local_steps}")
+    need(d.inner_lr > 0 and d.outer_lr > 0, "diloco.inner_lr and diloco.outer_lr must be positive")
+    need(0 <= d.outer_momentum < 1, f"diloco.outer_momentum must be in [0, 1), got {d.outer_momentum}")
+    need(len(d.inner_betas) == 2 and all(0 <= b < 1 for b in d.inner_betas),
+         f"diloco.inner_betas must be two numbers in [0, 1), got {d.inner_betas}")
+    need(d.compression in COMPRESSIONS,
+         f"diloco.compression {d.compression!r} is unknown; use one of: {', '.join(COMPRESSIONS)}")
+    need(d.matchmaking_time_s > 0 and math.isfinite(d.matchmaking_time_s),
+         f"diloco.matchmaking_time_s must be a positive number of seconds, got {d.matchmaking_time_s}")
+    need(d.averaging_timeout_s > 0, f"diloco.averaging_timeout_s must be positive, got {d.averaging_timeout_s}")
+    need(d.min_group_size >= 1, f"diloco.min_group_size must be at least 1, got {d.min_group_size}")
+    need(d.target_group_size is None or d.target_group_size >= d.min_group_size,
+         "diloco.target_group_size must be at least diloco.min_group_size")
+    need(d.no_group_policy in NO_GROUP_POLICIES,
+         f"diloco.no_group_policy {d.no_group_policy!r} is unknown; use one of: {', '.join(NO_GROUP_POLICIES)}")
+    need(t.batch_size >= 1, f"train.batch_size must be at least 1, got {t.batch_size}")
+    need(t.num_shards >= 1, f"train.num_shards must be at least 1, got {t.num_shards}")
+    need(t.shard_index is None or 0 <= t.shard_index < t.num_shards,
+         f"train.shard_index {t.shard_index} must be in [0, {t.num_shards}); or leave it unset to claim one")
+    need(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),
+         f"train.device {t.device!r} is unknown; use auto, cpu, cuda or cuda:N")
+    need(t.max_outer_steps is None or t.max_outer_steps >= 1,
+         f"train.max_outer_steps must be at least 1, got {t.max_outer_steps}")
+    need(t.eval_batches >= 1, f"train.eval_batches must be at least 1, got {t.eval_batches}")
+    need(s.bootstrap_timeout_s > 0, f"swarm.bootstrap_timeout_s must be positive, got {s.bootstrap_timeout_s}")
+    try:
+        check_maddrs(s.initial_peers, "--initial-peers", need_peer_id=True)
+        check_maddrs(s.host_maddrs, "--host-maddrs")
+        check_maddrs(s.announce_maddrs, "--announce-maddrs")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    from p2ptrain.model import MODEL_SIZES  # late: the model module pulls in nothing the config needs otherwise
+
+    need(t.model in MODEL_SIZES, f"train.model {t.model!r} is unknown; use one of: {', '.join(MODEL_SIZES)}")

@@ -1,0 +1,157 @@
+"""``p2ptrain demo``: a bootstrap peer and N workers on 127.0.0.1, each a separate ``p2ptrain`` process.
+
+The demo drives the real commands (``bootstrap``, ``join``) exactly as a user would in separate shells, follows
+their progress through the DHT the way ``status`` does, and summarises the workers' JSON reports.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import List, Optional
+
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+class DemoError(Exception):
+    """The demo could not finish; the message says where the logs are."""
+
+
+def _spawn(args: List[str], log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "wb")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "p2ptrain", *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """SIGINT (graceful), then SIGKILL if it does not leave in time."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().split()[0]
+        if proc.poll() is not None:
+            raise DemoError(f"the bootstrap peer exited with code {proc.returncode}")
+        time.sleep(0.2)
+    raise DemoError(f"the bootstrap peer printed no address within {timeout_s:.0f}s")
+
+
+def run_demo(
+    *,
+    workers: int,
+    outer_steps: int,
+    local_steps: int,
+    model: str = "tiny",
+    json_path: Optional[str] = None,
+    keep_logs: bool = False,
+    stop: Optional[threading.Event] = None,
+) -> dict:
+    stop = stop or threading.Event()
+    log_dir = Path(tempfile.mkdtemp(prefix="p2ptrain-demo-"))
+    run_id = f"demo-{uuid.uuid4().hex[:8]}"
+    started = time.monotonic()
+    print(f"p2ptrain demo: run {run_id}, {workers} workers, {outer_steps} outer steps x {local_steps} local steps; "
+          f"logs in {log_dir}", flush=True)
+
+    procs: List[subprocess.Popen] = []
+    ok = False
+    try:
+        boot = _spawn(["bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(log_dir / "bootstrap.maddrs")],
+                      log_dir / "bootstrap.log")
+        procs.append(boot)
+        bootstrap_maddr = _wait_for_file(log_dir / "bootstrap.maddrs", boot, timeout_s=60)
+
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        worker_procs = []
+        for i in range(workers):
+            args = [
+                "join", "--initial-peers", bootstrap_maddr, "--host-maddrs", LOOPBACK, "--run-id", run_id,
+                "--model", model, "--local-steps", str(local_steps), "--max-outer-steps", str(outer_steps),
+                "--num-shards", str(workers), "--shard-index", str(i), "--target-group-size", str(workers),
+                # every worker of the demo is alive, so waiting for the group is always right here
+                "--no-group-policy", "wait", "--threads", str(threads), "--log-interval", "5",
+                "--report", str(log_dir / f"worker-{i}.json"), "--no-progress",
+            ]
+            worker_procs.append(_spawn(args, log_dir / f"worker-{i}.log"))
+        procs.extend(worker_procs)
+
+        _follow(worker_procs, bootstrap_maddr, run_id, workers * outer_steps * local_steps, stop)
+        if stop.is_set():
+            raise DemoError(f"stopped by signal; logs in {log_dir}")
+        failed = [i for i, p in enumerate(worker_procs) if p.returncode != 0]
+        if failed:
+            raise DemoError(f"worker(s) {failed} failed; see {log_dir}/worker-N.log")
+
+        reports = [json.loads((log_dir / f"worker-{i}.json").read_text()) for i in range(workers)]
+        summary = {"run_id": run_id, "wall_s": round(time.monotonic() - started, 2), "workers": reports}
+        _print_table(summary)
+        if json_path:
+            Path(json_path).write_text(json.dumps(summary, indent=2))
+            print(f"wrote {json_path}")
+        ok = True
+        return summary
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
+        if ok and not keep_logs:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _follow(worker_procs, bootstrap_maddr: str, run_id: str, total_steps: int, stop: threading.Event) -> None:
+    """Show a progress bar of the swarm's local steps, read from the DHT like `status`, until workers exit."""
+    from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht
+    from p2ptrain.swarm.progress import fetch_progress
+
+    dht = start_dht(SwarmConfig(initial_peers=[bootstrap_maddr], host_maddrs=[LOOPBACK], client_mode=True))
+    bar = tqdm(total=total_steps, desc="swarm", unit="step", file=sys.stdout)
+    best: dict = {}
+    try:
+        while not stop.is_set() and any(p.poll() is None for p in worker_procs):
+            for record in fetch_progress(dht, run_id, timeout_s=5):
+                best[record.peer_id] = max(best.get(record.peer_id, (0, 0)), (record.local_step, record.outer_step))
+            done = sum(local for local, _ in best.values())
+            bar.update(max(0, min(done, total_steps) - bar.n))
+            bar.set_postfix(peers=len(best), outer=",".join(str(o) for _, o in best.values()))
+            time.sleep(1.0)
+        bar.update(total_steps - bar.n if all(p.returncode == 0 for p in worker_procs) else 0)
+    finally:
+        bar.close()
+        stop_dht(dht)
+
+
+def _print_table(summary: dict) -> None:
+    print(f"\nrun {summary['run_id']} finished in {summary['wall_s']:.1f}s")
+    header = f"{'worker':<10} {'outer':>5} {'loss before':>11} {'loss after':>10} {'sync s (mean)':>13} " \
+             f"{'bytes sent/sync':>15} {'group sizes':<12}"
+    print(header)
+    print("-" * len(header))
+    for w in summary["workers"]:
+        rounds = w["rounds"]
+        mean_s = sum(r["seconds"] for r in rounds) / max(len(rounds), 1)
+        mean_bytes = sum(r["bytes_sent"] for r in rounds) / max(len(rounds), 1)
+        sizes = ",".join(str(r["group_size"]) for r in rounds)
+        print(f"{w['peer_id'][-8:]:<10} {w['outer_steps']:>5} {w['initial_eval_loss']:>11.4f} "
+              f"{w['final_eval_loss']:>10.4f} {mean_s:>13.2f} {mean_bytes:>15,.0f} {sizes:<12}")

@@ -1,0 +1,233 @@
+"""The daemons: a training worker (startup -> inner steps and syncs -> shutdown) and a DHT-only bootstrap peer.
+
+This is the one module that knows every other: it wires config, DHT, data, model and DiLoCoOptimizer together.
+Both daemons stop on ``request_stop()`` (the CLI calls it on the first SIGINT/SIGTERM) and always shut down their
+hivemind processes on the way out, so no p2pd or averager outlives them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+from tqdm import tqdm
+
+from p2ptrain.config import RunConfig
+from p2ptrain.data import ShardedBatches, eval_batches, evaluate, load_corpus, split_train_val
+from p2ptrain.diloco import DiLoCoOptimizer
+from p2ptrain.model import build_model
+from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht, visible_maddrs
+from p2ptrain.swarm.progress import ProgressPublisher
+from p2ptrain.swarm.shards import claim_shard
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerReport:
+    """What one worker did; written as JSON by ``join --report`` and collected by ``demo``."""
+
+    peer_id: str = ""
+    run_id: str = ""
+    model: str = ""
+    num_parameters: int = 0
+    shard_index: int = -1
+    outer_steps: int = 0
+    local_steps: int = 0
+    initial_eval_loss: float = float("nan")
+    final_eval_loss: float = float("nan")
+    wall_s: float = 0.0
+    samples: int = 0
+    stopped_by: str = ""
+    """"max_outer_steps" or "signal" """
+    rounds: List[Dict[str, Any]] = field(default_factory=list)
+    """one entry per sync: SyncRecord fields plus the eval loss right after it"""
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this host; use --device cpu or auto")
+    return torch.device(name)
+
+
+class Worker:
+    """A training peer. ``run()`` blocks until ``max_outer_steps`` or ``request_stop()``; returns a report."""
+
+    def __init__(self, config: RunConfig, *, report_path: Optional[str] = None, show_progress: bool = True):
+        self.config = config
+        self.report_path = report_path
+        self.show_progress = show_progress
+        self._stop = threading.Event()
+        self.report = WorkerReport(run_id=config.run_id, model=config.train.model)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> WorkerReport:
+        cfg, started = self.config, time.monotonic()
+        train_cfg, diloco_cfg = cfg.train, cfg.diloco
+        if train_cfg.threads:
+            torch.set_num_threads(train_cfg.threads)
+        device = pick_device(train_cfg.device)
+        # read the data before joining: a bad --data path must fail before any process is started
+        train_bytes, val_bytes = split_train_val(load_corpus(train_cfg.data or None))
+
+        dht = start_dht(cfg.swarm)
+        opt: Optional[DiLoCoOptimizer] = None
+        try:
+            peer_id = dht.peer_id.to_base58()
+            self.report.peer_id = peer_id
+            logger.info(f"[{peer_id}] joined run {cfg.run_id!r}; other peers can join through:")
+            for maddr in visible_maddrs(dht):
+                logger.info(f"[{peer_id}]   {maddr}")
+            logger.info(f"[{peer_id}] effective config: {json.dumps(cfg.to_dict(), sort_keys=True)}")
+
+            publisher = ProgressPublisher(dht, cfg.run_id)
+            if train_cfg.shard_index is not None:
+                publisher.shard_index = train_cfg.shard_index
+            else:
+                publisher.shard_index = claim_shard(dht, cfg.run_id, train_cfg.num_shards, publisher)
+            self.report.shard_index = publisher.shard_index
+            batches = ShardedBatches(
+                train_bytes,
+                block_size=self._block_size(),
+                batch_size=train_cfg.batch_size,
+                shard_index=publisher.shard_index,
+                num_shards=train_cfg.num_shards,
+                seed=train_cfg.seed,
+            )
+            held_out = eval_batches(val_bytes, self._block_size(), train_cfg.batch_size, train_cfg.eval_batches)
+
+            model = build_model(train_cfg.model, seed=train_cfg.seed).to(device)
+            self.report.num_parameters = model.num_parameters()
+            opt = DiLoCoOptimizer(
+                model.parameters(),
+                dht=dht,
+                run_id=cfg.run_id,
+                local_steps=diloco_cfg.local_steps,
+                inner_optimizer=partial(
+                    torch.optim.AdamW,
+                    lr=diloco_cfg.inner_lr,
+                    weight_decay=diloco_cfg.inner_weight_decay,
+                    betas=tuple(diloco_cfg.inner_betas),
+                ),
+                outer_optimizer=partial(
+                    torch.optim.SGD, lr=diloco_cfg.outer_lr, momentum=diloco_cfg.outer_momentum, nesterov=True
+                ),
+                compression=diloco_cfg.compression,
+                matchmaking_time_s=diloco_cfg.matchmaking_time_s,
+                averaging_timeout_s=diloco_cfg.averaging_timeout_s,
+                min_group_size=diloco_cfg.min_group_size,
+                target_group_size=diloco_cfg.target_group_size,
+                no_group_policy=diloco_cfg.no_group_policy,
+                batch_size=train_cfg.batch_size,
+                client_mode=cfg.swarm.client_mode,
+                progress=publisher,
+            )
+            self.report.initial_eval_loss = self._evaluate(model, held_out, device)
+            logger.info(
+                f"[{peer_id}] model {train_cfg.model} ({self.report.num_parameters:,} parameters) on {device}, "
+                f"shard {publisher.shard_index}/{train_cfg.num_shards}, eval loss {self.report.initial_eval_loss:.4f}"
+            )
+            self._train(model, opt, batches, held_out, device)
+        finally:
+            if opt is not None:
+                opt.close()
+            stop_dht(dht)
+            self.report.wall_s = time.monotonic() - started
+            if self.report_path:
+                Path(self.report_path).write_text(json.dumps(self.report.to_dict(), indent=2))
+        return self.report
+
+    def _block_size(self) -> int:
+        from p2ptrain.model import model_config
+
+        return model_config(self.config.train.model).block_size
+
+    def _evaluate(self, model: torch.nn.Module, held_out, device: torch.device) -> float:
+        with self._autocast(device):
+            return evaluate(model, [(x.to(device), y.to(device)) for x, y in held_out])
+
+    @staticmethod
+    def _autocast(device: torch.device):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+    def _train(self, model, opt: DiLoCoOptimizer, batches, held_out, device: torch.device) -> None:
+        cfg = self.config.train
+        peer = self.report.peer_id
+        max_outer = cfg.max_outer_steps
+        total = max_outer * opt.local_steps if max_outer else None
+        bar = tqdm(total=total, desc=f"{peer[-8:]} train", unit="step", disable=not self.show_progress, leave=False)
+        last_log, loss_value = time.monotonic(), float("nan")
+        model.train()
+        try:
+            for x, y in batches:
+                if self._stop.is_set():
+                    self.report.stopped_by = "signal"
+                    break
+                with self._autocast(device):
+                    _, loss = model(x.to(device), y.to(device))
+                loss.backward()
+                synced_before = opt.outer_step
+                opt.step()
+                opt.zero_grad()
+                loss_value = loss.item()
+                self.report.local_steps = opt.local_step
+                self.report.samples += x.shape[0]
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_value:.3f}", outer=opt.outer_step)
+
+                if opt.outer_step != synced_before:
+                    record = opt.history[-1].to_dict()
+                    record["eval_loss"] = self._evaluate(model, held_out, device)
+                    self.report.rounds.append(record)
+                    self.report.outer_steps = opt.outer_step
+                    self.report.final_eval_loss = record["eval_loss"]
+                    model.train()
+                if time.monotonic() - last_log >= cfg.log_interval_s or opt.outer_step != synced_before:
+                    self._log_line(opt, loss_value)
+                    last_log = time.monotonic()
+                if max_outer and opt.outer_step >= max_outer:
+                    self.report.stopped_by = "max_outer_steps"
+                    break
+        finally:
+            bar.close()
+
+    def _log_line(self, opt: DiLoCoOptimizer, loss_value: float) -> None:
+        last = opt.history[-1] if opt.history else None
+        sync = f"last sync: group_size={last.group_size} {last.seconds:.2f}s" if last else "last sync: none yet"
+        logger.info(
+            f"[{self.report.peer_id}] outer_step={opt.outer_step} local_step={opt.local_step} loss={loss_value:.4f} "
+            f"samples/s={opt.samples_per_s:.1f} {sync}"
+        )
+
+
+def run_bootstrap(
+    swarm: SwarmConfig, *, maddrs_file: Optional[str], stop: threading.Event, status_interval_s: float = 60.0
+) -> None:
+    """A DHT-only peer: starts, prints its addresses, serves until ``stop`` is set, shuts down."""
+    dht = start_dht(swarm)
+    try:
+        maddrs = visible_maddrs(dht)
+        print(f"bootstrap peer {dht.peer_id.to_base58()} is up; workers join with --initial-peers and one of:")
+        for maddr in maddrs:
+            print(f"  {maddr}", flush=True)
+        if maddrs_file:
+            Path(maddrs_file).write_text("".join(f"{m}\n" for m in maddrs))
+        while not stop.wait(timeout=status_interval_s):
+            logger.info(f"bootstrap peer {dht.peer_id.to_base58()} serving")
+    finally:
+        stop_dht(dht)

@@ -1,0 +1,109 @@
+"""Starting and joining the DHT: address checks, bounded start-up, clean shutdown."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import hivemind
+from hivemind.p2p import P2PDaemonError
+from hivemind.utils.multiaddr import Multiaddr
+
+logger = logging.getLogger(__name__)
+
+
+class SwarmError(Exception):
+    """The swarm could not be joined; the message says why and what to do. Not a bug: the CLI exits with 2."""
+
+
+@dataclass
+class SwarmConfig:
+    """How this peer joins the DHT."""
+
+    initial_peers: List[str] = field(default_factory=list)
+    """multiaddrs of live peers (a bootstrap peer or any worker), each ending in /p2p/<peer id>"""
+    host_maddrs: List[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    """where to listen; tcp/0 picks a free port"""
+    announce_maddrs: List[str] = field(default_factory=list)
+    """addresses others should dial, if not the listening ones (public IP behind port forwarding)"""
+    identity_path: Optional[str] = None
+    """private key file for a stable peer id; created if missing"""
+    client_mode: bool = False
+    """dial out only, accept no connections (behind NAT without port forwarding); others must be reachable"""
+    use_relay: bool = True
+    """let libp2p circuit relays carry traffic to/from peers that cannot be dialled directly"""
+    use_auto_relay: bool = False
+    """look for relays and advertise relayed addresses automatically (peers behind NAT)"""
+    bootstrap_timeout_s: float = 30.0
+    """give up joining if no initial peer answers within this time"""
+
+
+def check_maddrs(maddrs: Sequence[str], option: str, *, need_peer_id: bool = False) -> None:
+    """Raise ValueError naming ``option`` for an address that is not a multiaddr (or lacks /p2p/<id>)."""
+    for maddr in maddrs:
+        try:
+            parsed = Multiaddr(maddr)
+        except Exception:
+            raise ValueError(
+                f"{option}: {maddr!r} is not a multiaddr; write it like /ip4/203.0.113.7/tcp/31337/p2p/Qm..."
+            ) from None
+        if need_peer_id and "p2p" not in [proto.name for proto in parsed.protocols()]:
+            raise ValueError(
+                f"{option}: {maddr!r} has no /p2p/<peer id> part; copy the full address the peer printed at start"
+            )
+
+
+def start_dht(config: SwarmConfig) -> hivemind.DHT:
+    """Start this peer's DHT and join the swarm through ``initial_peers``; raise SwarmError if that fails.
+
+    Bounded: an initial peer that does not answer makes this fail after ``bootstrap_timeout_s``, never hang.
+    """
+    check_maddrs(config.initial_peers, "--initial-peers", need_peer_id=True)
+    check_maddrs(config.host_maddrs, "--host-maddrs")
+    check_maddrs(config.announce_maddrs, "--announce-maddrs")
+
+    dht = hivemind.DHT(
+        initial_peers=config.initial_peers,
+        host_maddrs=config.host_maddrs,
+        announce_maddrs=config.announce_maddrs or None,
+        identity_path=config.identity_path,
+        client_mode=config.client_mode,
+        use_relay=config.use_relay,
+        use_auto_relay=config.use_auto_relay,
+        # p2pd gives up on unreachable bootstrap peers after this long instead of waiting forever
+        startup_timeout=config.bootstrap_timeout_s,
+        start=False,
+    )
+    try:
+        dht.run_in_background(await_ready=True, timeout=config.bootstrap_timeout_s + 5)
+    except (P2PDaemonError, TimeoutError, Exception) as e:
+        stop_dht(dht)
+        reason = str(e).splitlines()[-1] if str(e) else type(e).__name__
+        if config.initial_peers:
+            raise SwarmError(
+                f"could not join the swarm through {', '.join(config.initial_peers)} ({reason}); check that the "
+                f"address is current and the peer is running and reachable from this host"
+            ) from None
+        raise SwarmError(f"could not start the DHT ({reason}); check --host-maddrs and --identity") from None
+    return dht
+
+
+def visible_maddrs(dht: hivemind.DHT) -> List[str]:
+    """Addresses others can use as --initial-peers, loopback last (it only works on this host)."""
+    maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    return sorted(maddrs, key=lambda m: ("/127.0.0.1/" in m or "/::1/" in m, m))
+
+
+def stop_dht(dht: hivemind.DHT) -> None:
+    """Shut the DHT process (and its p2pd) down; terminate it if it does not leave on its own."""
+    try:
+        if dht.is_alive():
+            dht.shutdown()
+        dht.join(timeout=10)
+        if dht.is_alive():
+            logger.warning("DHT process did not exit in 10s; terminating it")
+            dht.terminate()
+            dht.join(timeout=5)
+    except (AssertionError, ValueError):
+        pass  # never started

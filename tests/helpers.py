@@ -1,0 +1,51 @@
+"""Running the real ``p2ptrain`` command in subprocesses, as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+import psutil
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+def p2ptrain(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    """Run ``p2ptrain ARGS`` to completion and capture its output."""
+    kwargs.setdefault("timeout", 120)
+    return subprocess.run([sys.executable, "-m", "p2ptrain", *args], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"), **kwargs)
+
+
+def spawn(*args: str, log: Path) -> subprocess.Popen:
+    """Start ``p2ptrain ARGS`` in the background with stdout and stderr going to ``log``."""
+    return subprocess.Popen([sys.executable, "-m", "p2ptrain", *args], stdout=open(log, "wb"),
+                            stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float = 60) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().split()[0]
+        assert proc.poll() is None, f"process exited with {proc.returncode} before writing {path}"
+        time.sleep(0.2)
+    raise AssertionError(f"{path} was not written within {timeout_s}s")
+
+
+def descendants(proc: subprocess.Popen) -> List[psutil.Process]:
+    try:
+        return psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def assert_all_gone(processes: List[psutil.Process], timeout_s: float = 10) -> None:
+    """The given processes (a daemon's children, recorded while it ran) must all have exited."""
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    names = [f"{p.pid}:{p.name()}" for p in alive if p.is_running()]
+    assert not names, f"orphaned processes after exit: {names}"

@@ -1,0 +1,87 @@
+"""The real commands in separate processes on 127.0.0.1: bootstrap, two joins, status, signals, no orphans."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+
+from tests.helpers import LOOPBACK, assert_all_gone, descendants, p2ptrain, spawn, wait_for_file
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+
+
+def status(maddr: str, run_id: str) -> dict:
+    result = p2ptrain("status", "--initial-peers", maddr, "--run-id", run_id, "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
+    boot = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(tmp_path / "maddrs"),
+                 "--identity", str(tmp_path / "boot.key"), log=tmp_path / "boot.log")
+    workers = []
+    try:
+        maddr = wait_for_file(tmp_path / "maddrs", boot)
+        assert maddr.endswith("/p2p/" + maddr.rsplit("/", 1)[-1])
+        for i in range(2):
+            workers.append(spawn(
+                "join", "--initial-peers", maddr, "--host-maddrs", LOOPBACK, "--run-id", "clitest",
+                "--local-steps", "10", "--num-shards", "2", "--target-group-size", "2",
+                "--no-group-policy", "wait", "--threads", "1", "--log-interval", "2", "--no-progress",
+                "--report", str(tmp_path / f"w{i}.json"), log=tmp_path / f"w{i}.log",
+            ))
+
+        # status lists both peers once each has synced at least twice (so a group of 2 really formed)
+        deadline = time.monotonic() + 180
+        listing = {}
+        while time.monotonic() < deadline:
+            listing = status(maddr, "clitest")
+            if len(listing["peers"]) == 2 and all(p["outer_step"] >= 2 for p in listing["peers"]):
+                break
+            assert all(w.poll() is None for w in workers), "a worker died; see its log"
+            time.sleep(2)
+        assert listing["run_id"] == "clitest"
+        assert len(listing["peers"]) == 2, listing
+        for peer in listing["peers"]:
+            assert set(peer) == {"peer_id", "outer_step", "local_step", "samples_per_s", "last_seen"}
+            assert peer["local_step"] >= 20 and peer["samples_per_s"] > 0
+
+        children = [c for w in workers for c in descendants(w)]
+        assert any(c.name() == "p2pd" for c in children)
+        for w in workers:
+            w.send_signal(signal.SIGINT)  # the first SIGINT: finish the step, leave cleanly
+        for w in workers:
+            assert w.wait(timeout=90) == 0
+        assert_all_gone(children)
+
+        reports = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2)]
+        assert {r["shard_index"] for r in reports} == {0, 1}, "peers must claim different data shards"
+        for report in reports:
+            assert report["stopped_by"] == "signal"
+            assert report["outer_steps"] >= 2
+            assert all(r["group_size"] == 2 for r in report["rounds"]), report["rounds"]
+        assert "Traceback" not in (tmp_path / "w0.log").read_text()
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+        boot_children = descendants(boot)
+        boot.send_signal(signal.SIGTERM)
+        assert boot.wait(timeout=30) == 0
+        assert_all_gone(boot_children)
+
+
+def test_bootstrap_identity_is_stable(tmp_path):
+    ids = []
+    for run in range(2):
+        boot = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(tmp_path / f"m{run}"),
+                     "--identity", str(tmp_path / "id.key"), log=tmp_path / f"b{run}.log")
+        try:
+            ids.append(wait_for_file(tmp_path / f"m{run}", boot).rsplit("/", 1)[-1])
+        finally:
+            boot.send_signal(signal.SIGINT)
+            assert boot.wait(timeout=30) == 0
+    assert ids[0] == ids[1]

@@ -1,0 +1,97 @@
+"""Bad input to the CLI: one line on stderr that names the problem and the fix, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from tests.helpers import p2ptrain
+
+DEAD_PEER = "/ip4/127.0.0.1/tcp/{port}/p2p/QmSXUVsMGJFQBswMvF8D8Fmqy9QgjPzgfoqk3FUZv6ginu"
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def assert_bad_input(result, *fragments: str) -> None:
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["join", "--local-steps", "abc"], ["--local-steps", "not a valid integer"]),
+        (["join", "--local-steps", "0"], ["--local-steps"]),
+        (["join", "--compression", "int3"], ["--compression", "'int3' is not one of"]),
+        (["join", "--config", "/nonexistent/run.toml"], ["/nonexistent/run.toml does not exist"]),
+        (["join", "--initial-peers", "bootstrap.example.org:4001"], ["--initial-peers", "is not a multiaddr"]),
+        (["join", "--initial-peers", "/ip4/127.0.0.1/tcp/4001"], ["has no /p2p/<peer id>"]),
+        (["join", "--model", "gigantic"], ["train.model 'gigantic' is unknown", "tiny"]),
+        (["join", "--data", "/nonexistent/corpus"], ["/nonexistent/corpus"]),
+        (["status"], ["--initial-peers"]),
+        (["bootstrap", "--host-maddrs", "0.0.0.0:4001"], ["--host-maddrs", "is not a multiaddr"]),
+        (["frobnicate"], ["No such command"]),
+    ],
+)
+def test_bad_flags(args, fragments):
+    assert_bad_input(p2ptrain(*args), *fragments)
+
+
+def test_data_path_without_text(tmp_path):
+    (tmp_path / "notes.bin").write_bytes(b"\x00" * 10)
+    assert_bad_input(p2ptrain("join", "--data", str(tmp_path)), str(tmp_path))
+
+
+def test_env_var_is_read_and_checked(monkeypatch):
+    monkeypatch.setenv("P2PTRAIN_LOCAL_STEPS", "zero")
+    assert_bad_input(p2ptrain("join"), "--local-steps")
+
+
+def test_refused_initial_peer_fails_fast():
+    started = time.monotonic()
+    result = p2ptrain("join", "--initial-peers", DEAD_PEER.format(port=free_port()), "--bootstrap-timeout", "20")
+    assert_bad_input(result, "could not join the swarm", "reachable")
+    assert time.monotonic() - started < 60
+
+
+def test_silent_initial_peer_times_out_instead_of_hanging():
+    """A host that accepts TCP but never speaks libp2p must give a clear error after --bootstrap-timeout."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    accepted = []
+    stop = threading.Event()
+
+    def accept_and_hold():
+        server.settimeout(0.5)
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept()[0])
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=accept_and_hold, daemon=True)
+    thread.start()
+    try:
+        result = p2ptrain("join", "--initial-peers", DEAD_PEER.format(port=server.getsockname()[1]),
+                          "--bootstrap-timeout", "5", timeout=90)
+        assert_bad_input(result, "could not join the swarm")
+    finally:
+        stop.set()
+        thread.join()
+        for conn in accepted:
+            conn.close()
+        server.close()

@@ -1,0 +1,58 @@
+"""Config loading: file, overrides, and the one-line errors for bad values."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2ptrain.config import ConfigError, load_config
+
+PEER = "/ip4/127.0.0.1/tcp/4001/p2p/QmSXUVsMGJFQBswMvF8D8Fmqy9QgjPzgfoqk3FUZv6ginu"
+
+
+def test_defaults_are_valid():
+    config = load_config()
+    assert config.diloco.local_steps == 500 and config.diloco.compression == "fp16"
+
+
+def test_file_then_overrides(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'run_id = "exp1"\n[swarm]\ninitial_peers = ["%s"]\n[diloco]\nlocal_steps = 50\nouter_lr = 1\n'
+        '[train]\nmodel = "small"\n' % PEER
+    )
+    config = load_config(path, {"diloco.local_steps": 7})
+    assert config.run_id == "exp1"
+    assert config.swarm.initial_peers == [PEER]
+    assert config.diloco.local_steps == 7  # the override wins over the file
+    assert config.diloco.outer_lr == 1.0 and isinstance(config.diloco.outer_lr, float)
+    assert config.train.model == "small"
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("[diloco]\nlocal_step = 5\n", "unknown setting 'diloco.local_step'"),
+        ("[dilocco]\nlocal_steps = 5\n", "unknown setting 'dilocco'"),
+        ("[diloco]\nlocal_steps = 'five'\n", "diloco.local_steps must be an int"),
+        ("[diloco]\nlocal_steps = 0\n", "diloco.local_steps must be at least 1"),
+        ("[diloco]\ncompression = 'int4'\n", "use one of: none, fp16"),
+        ("[train]\nmodel = 'huge'\n", "train.model 'huge' is unknown"),
+        ("[swarm]\ninitial_peers = ['not-an-address']\n", "is not a multiaddr"),
+        ("[swarm]\ninitial_peers = ['/ip4/127.0.0.1/tcp/4001']\n", "has no /p2p/<peer id>"),
+        ("run_id = 'a.b'\n", "run_id 'a.b' must be non-empty without dots"),
+        ("[diloco\n", "is not valid TOML"),
+    ],
+)
+def test_bad_values_name_the_setting(tmp_path, text, fragment):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert fragment in message
+    assert "\n" not in message
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
