@@ -53,6 +53,9 @@ def setup_logging(verbose: bool) -> None:
     root.propagate = False
     if not verbose:
         logging.getLogger("hivemind").setLevel(logging.WARNING)
+        # hivemind logs every round without a group as an ERROR with a traceback; DiLoCoOptimizer reports the
+        # outcome of every round itself (a warning naming the policy), so only -v shows hivemind's version
+        logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
 
 
 def install_stop_handlers(on_first: Callable[[], None]) -> None:

@@ -140,6 +140,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.samples_since_sync = 0
         self.history: List[SyncRecord] = []
         self._closed = threading.Event()
+        self._sync_lock = threading.Lock()
 
         # matchmaking requests must time out well inside the matchmaking window (hivemind's deadlock breaker)
         self._request_timeout_s = min(3.0, matchmaking_time_s / 2)
@@ -159,7 +160,15 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             client_mode=client_mode,
             shutdown_timeout=5,
         )
-        self.averager.start_in_background(timeout_s=averager_start_timeout_s)
+        try:
+            self.averager.start_in_background(timeout_s=averager_start_timeout_s)
+        except Exception as e:
+            if "already set" in str(e):
+                raise ValueError(
+                    f"another DiLoCoOptimizer of run {run_id!r} already uses this DHT; give each optimizer its own "
+                    "hivemind.DHT (or its own run_id)"
+                ) from None
+            raise
         self.progress = progress or ProgressPublisher(dht, run_id, period_s=progress_period_s)
         self.progress.client_mode = self.averager.client_mode
         self._throughput_since = time.monotonic()
@@ -207,9 +216,15 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------------- the sync
 
-    @torch.no_grad()
     def sync(self) -> SyncRecord:
         """Average pseudo-gradients with the swarm and take one outer step. Never raises for network failures."""
+        # close() from another thread waits for this lock: shutting the averager down under a running step()
+        # would leave that step waiting for an answer from a process that is gone
+        with self._sync_lock:
+            return self._sync()
+
+    @torch.no_grad()
+    def _sync(self) -> SyncRecord:
         started = time.perf_counter()
         self._update_throughput()
         with self.averager.get_tensors() as buffers:
@@ -262,14 +277,21 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         attempts = 0
         while not self._closed.is_set():
             attempts += 1
+            if not self.averager.is_alive():
+                logger.error(f"{self._tag()} the averager process is gone; this peer can no longer average")
+                break
             try:
-                result = self.averager.step(
+                # the leader waits matchmaking_time_s for followers; allow a request timeout on top
+                matchmaking_timeout_s = self.matchmaking_time_s + self._request_timeout_s + 1.0
+                control = self.averager.step(
                     weight=float(max(self.samples_since_sync, 1)),
                     gather={"outer_step": self.outer_step, "samples": self.samples_since_sync},
-                    # the leader waits matchmaking_time_s for followers; allow a request timeout on top
-                    timeout=self.matchmaking_time_s + self._request_timeout_s + 1.0,
+                    timeout=matchmaking_timeout_s,
                     allow_retries=True,
+                    wait=False,
                 )
+                # bounded even if the averager process dies mid-round: then this raises TimeoutError
+                result = control.result(timeout=matchmaking_timeout_s + self.averaging_timeout_s + 10.0)
                 if isinstance(result, RoundResult):
                     return result, attempts
             except (AllreduceException, MatchmakingException, TimeoutError, RuntimeError) as e:
@@ -311,8 +333,15 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if self._closed.is_set():
             return
         self._closed.set()
-        self.progress.withdraw()
-        if self.averager.is_alive():
-            self.averager.shutdown()
+        # a sync in flight stops retrying once _closed is set; let its current attempt finish (bounded)
+        attempt_s = self.matchmaking_time_s + self._request_timeout_s + self.averaging_timeout_s + 15.0
+        acquired = self._sync_lock.acquire(timeout=attempt_s)
+        try:
+            self.progress.withdraw()
+            if self.averager.is_alive():
+                self.averager.shutdown()
+        finally:
+            if acquired:
+                self._sync_lock.release()
 
     shutdown = close

@@ -1,0 +1,113 @@
+"""A DiLoCoOptimizer with nobody to average with: it neither hangs nor pretends, under both policies.
+Also: it works as a drop-in torch optimizer (LR schedulers, state_dict)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from functools import partial
+
+import hivemind
+import pytest
+import torch
+
+from p2ptrain import DiLoCoOptimizer
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
+
+INNER = partial(torch.optim.AdamW, lr=1e-2)
+OUTER = partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+
+
+@pytest.fixture
+def dht():
+    node = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    yield node
+    node.shutdown()
+
+
+def make(dht, run_id="alone", **kwargs):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    opt = DiLoCoOptimizer(model.parameters(), dht=dht, run_id=run_id, local_steps=2, inner_optimizer=INNER,
+                          outer_optimizer=OUTER, matchmaking_time_s=1.0, **kwargs)
+    return model, opt
+
+
+def train_step(model, opt):
+    loss = model(torch.randn(4, 8)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_alone_applies_own_pseudo_gradient(dht):
+    model, opt = make(dht, no_group_policy="apply_local")
+    try:
+        start = [p.detach().clone() for p in model.parameters()]
+        train_step(model, opt)
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.inner_optimizer.step()  # the inner half of the second step(), to see the parameters before the sync
+        before_sync = [p.detach().clone() for p in model.parameters()]
+        opt.local_step += 1
+        started = time.monotonic()
+        record = opt.sync()
+        assert time.monotonic() - started < 30, "a lone peer must give up within about matchmaking_time_s"
+        assert opt.outer_step == 1
+        assert record.averaged is False and record.group_size == 1 and record.bytes_sent == 0
+        # exactly one outer step with this peer's own pseudo-gradient
+        reference = [torch.nn.Parameter(s.clone()) for s in start]
+        outer = OUTER(reference)
+        for g, s, b in zip(reference, start, before_sync):
+            g.grad = s - b
+        outer.step()
+        for p, want in zip(model.parameters(), reference):
+            assert torch.equal(p.detach(), want.detach())
+    finally:
+        opt.close()
+
+
+def test_wait_policy_waits_and_close_releases_it(dht):
+    model, opt = make(dht, no_group_policy="wait")
+    done = threading.Event()
+
+    def run():
+        for _ in range(2):
+            train_step(model, opt)
+        done.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        assert not done.wait(timeout=8), "under 'wait' a lone peer must keep looking for a group"
+        assert opt.outer_step == 0
+    finally:
+        opt.close()  # releases the waiting sync: it applies the local pseudo-gradient and returns
+    thread.join(timeout=30)
+    assert done.is_set() and opt.history[-1].averaged is False and opt.history[-1].attempts >= 2
+
+
+def test_drop_in_optimizer(dht):
+    model, opt = make(dht, no_group_policy="apply_local")
+    try:
+        assert isinstance(opt, torch.optim.Optimizer)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        train_step(model, opt)
+        scheduler.step()
+        assert opt.inner_optimizer.param_groups[0]["lr"] == pytest.approx(5e-3)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        train_step(model, opt)  # the sync
+        state = opt.state_dict()
+        assert state["outer_step"] == 1 and state["local_step"] == 2
+        with pytest.raises(ValueError, match="already uses this DHT"):
+            make(dht, no_group_policy="apply_local")
+        _, other = make(dht, run_id="alone-copy", no_group_policy="apply_local")
+        try:
+            other.load_state_dict(state)
+            assert other.outer_step == 1 and other.local_step == 2
+            for a, b in zip(other.global_params, opt.global_params):
+                assert torch.equal(a, b)
+        finally:
+            other.close()
+    finally:
+        opt.close()
