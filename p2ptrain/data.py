@@ -1,0 +1,245 @@
+"""Training text: load the corpus, hold out a validation split, cut the rest into per-peer shards.
+
+The model reads raw bytes, so the corpus is just the bytes of the files, joined. Every peer of a run must load the
+same corpus (same files, same order): the shards and the validation split are byte ranges of it, and peers that
+disagree on it would overlap their shards and report eval losses that cannot be compared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+CORPUS_DIR = Path(__file__).parent / "corpus"
+FILE_SEPARATOR = b"\n\n"
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class DataError(ValueError):
+    """The training data cannot be used as given; the message names the problem and the fix."""
+
+
+def builtin_corpus_paths() -> list[Path]:
+    """The built-in corpus: the ``*.txt`` files shipped in ``p2ptrain/corpus/``, sorted by name."""
+    paths = sorted(p for p in CORPUS_DIR.glob("*.txt") if p.is_file())
+    if not paths:
+        raise DataError(
+            f"the built-in corpus {CORPUS_DIR} has no .txt files; reinstall p2ptrain, "
+            "or point --data at a UTF-8 text file or a folder of .txt files"
+        )
+    return paths
+
+
+def _text_files(path: Path) -> list[Path]:
+    """``path`` itself if it is a file; for a folder, its ``*.txt`` files at any depth, sorted, empty ones left out."""
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise DataError(
+            f"--data {path}: no such file or folder; point --data at a UTF-8 text file or a folder of .txt files"
+        )
+    files = sorted(p for p in path.rglob("*.txt") if p.is_file() and p.stat().st_size > 0)
+    if not files:
+        raise DataError(
+            f"--data {path}: no .txt files with text found; point --data at a UTF-8 text file or a folder of .txt files"
+        )
+    return files
+
+
+def load_corpus(paths: Sequence[str | Path] | None = None, min_bytes: int = 1024) -> bytes:
+    """The raw bytes of the given files and folders (folders: every ``*.txt`` inside, recursively, sorted), joined
+    with a blank line between files. ``None`` or an empty sequence loads the built-in corpus.
+
+    Raises DataError for a missing path, a folder without text, or fewer than ``min_bytes`` bytes in all.
+    """
+    if isinstance(paths, (str, Path)):
+        paths = [paths]  # a lone path, not a sequence of one-character paths
+    if paths:
+        files = [f for p in paths for f in _text_files(Path(p).expanduser())]
+        source = "--data " + " ".join(str(p) for p in paths)
+    else:
+        files = builtin_corpus_paths()
+        source = f"the built-in corpus {CORPUS_DIR}"
+    texts = []
+    for f in files:
+        try:
+            texts.append(f.read_bytes())
+        except OSError as e:
+            raise DataError(f"--data {f}: cannot read it ({e.strerror}); check the file's permissions") from None
+    # empty files are dropped so that they do not leave a double separator behind
+    data = FILE_SEPARATOR.join(t for t in texts if t)
+    if len(data) < min_bytes:
+        raise DataError(
+            f"{source}: only {len(data)} bytes of text, fewer than the {min_bytes} needed to train; "
+            "point --data at more text"
+        )
+    return data
+
+
+def split_train_val(data: bytes, val_fraction: float = 0.1) -> tuple[bytes, bytes]:
+    """(train, validation): the last ``val_fraction`` of the bytes is held out, the rest is for training.
+
+    A plain tail split of the whole corpus, not of each file: with several files the held-out text is the end of
+    the last one(s). It depends only on the bytes, so every peer holds out the same text.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    val_bytes = int(len(data) * val_fraction)
+    if val_bytes < 1 or val_bytes == len(data):
+        raise DataError(f"{len(data)} bytes of text cannot be split into training and held-out text; use more data")
+    return data[: len(data) - val_bytes], data[len(data) - val_bytes :]
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    # a hash rather than seed + epoch, so that (seed=0, epoch=1) and (seed=1, epoch=0) shuffle differently
+    digest = hashlib.blake2b(f"p2ptrain-data/{seed}/{epoch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+class ShardedBatches:
+    """Endless (x, y) batches from one shard of the training bytes; y is x shifted by one byte.
+
+    The bytes are cut into ``num_shards`` contiguous ranges, and every sample of a shard lies inside its range, so
+    peers on different shards never train on the same text. A sample starts at a multiple of ``block_size`` from the
+    start of the shard (non-overlapping windows); one epoch visits each of them once, in an order shuffled by
+    (seed, epoch). Batches run on across epoch boundaries.
+
+    ``state_dict()`` records the position; an iterator given it with ``load_state_dict()`` yields exactly the
+    batches this one would have yielded next.
+    """
+
+    def __init__(
+        self, data: bytes, block_size: int, batch_size: int, shard_index: int, num_shards: int, seed: int = 0
+    ):
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if num_shards < 1:
+            raise ValueError(f"num_shards must be at least 1, got {num_shards}")
+        if not 0 <= shard_index < num_shards:
+            raise ValueError(f"shard_index {shard_index} must be in [0, {num_shards})")
+        self.block_size = block_size
+        self.batch_size = batch_size
+        self.shard_index = shard_index
+        self.num_shards = num_shards
+        self.seed = seed
+
+        start, end = len(data) * shard_index // num_shards, len(data) * (shard_index + 1) // num_shards
+        self.shard_range = (start, end)  # the bytes of ``data`` that this shard's samples lie in
+        # a sample needs block_size + 1 bytes: y's last byte is one past x's
+        self.samples_per_epoch = max(0, end - start - 1) // block_size
+        if self.samples_per_epoch == 0:
+            raise DataError(
+                f"{len(data)} bytes of training text in {num_shards} shards leave {end - start} bytes per shard, "
+                f"fewer than the {block_size + 1} one sample needs; use fewer shards (train.num_shards) or more data"
+            )
+        # a copy of this shard only (bytes are read-only, and torch wants a writable buffer)
+        self._shard = torch.frombuffer(bytearray(data[start:end]), dtype=torch.uint8)
+        self._offsets = torch.arange(block_size + 1)  # (T+1,)
+
+        self.epoch = 0  # epochs completed
+        self.position = 0  # samples of the current epoch already yielded
+        self._order_epoch, self._order = -1, torch.empty(0, dtype=torch.long)
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        """Sample starts relative to the shard, in the order ``epoch`` visits them: (samples_per_epoch,) int64."""
+        if epoch != self._order_epoch:
+            generator = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
+            self._order = torch.randperm(self.samples_per_epoch, generator=generator) * self.block_size
+            self._order_epoch = epoch
+        return self._order
+
+    def window_offsets(self, epoch: int) -> torch.Tensor:
+        """Where epoch ``epoch``'s samples start, as byte offsets into ``data``, in visiting order."""
+        return self._epoch_order(epoch) + self.shard_range[0]
+
+    def __iter__(self) -> ShardedBatches:
+        return self
+
+    def __next__(self) -> Batch:
+        starts = []
+        needed = self.batch_size
+        while needed:
+            take = self._epoch_order(self.epoch)[self.position : self.position + needed]
+            starts.append(take)
+            needed -= len(take)
+            self.position += len(take)
+            if self.position == self.samples_per_epoch:
+                self.epoch, self.position = self.epoch + 1, 0
+        index = torch.cat(starts)[:, None] + self._offsets  # (B, T+1)
+        chunk = self._shard[index].long()  # (B, T+1)
+        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()  # (B, T), (B, T)
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shard_index": self.shard_index,
+            "num_shards": self.num_shards,
+            "block_size": self.block_size,
+            "samples_per_epoch": self.samples_per_epoch,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at the position in ``state``. A ValueError if it was saved by an iterator over different data:
+        a position in another shard, model or corpus means nothing here."""
+        for key in ("seed", "shard_index", "num_shards", "block_size", "samples_per_epoch"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"the saved data position has {key}={state[key]}, this iterator {key}={getattr(self, key)}; "
+                    "resume with the same corpus, model, seed and shard"
+                )
+        if not 0 <= state["position"] < self.samples_per_epoch or state["epoch"] < 0:
+            raise ValueError(f"the saved data position (epoch {state['epoch']}, sample {state['position']}) is invalid")
+        self.epoch, self.position = state["epoch"], state["position"]
+
+
+def eval_batches(data: bytes, block_size: int, batch_size: int, max_batches: int) -> list[Batch]:
+    """Held-out batches: up to ``max_batches * batch_size`` samples at evenly spaced offsets over ``data``.
+
+    Deterministic, so every peer evaluates on the same samples and their losses can be compared. A short ``data``
+    gives fewer samples (no more than fit side by side), and the last batch may be smaller than ``batch_size``.
+    """
+    if block_size < 1 or batch_size < 1 or max_batches < 1:
+        raise ValueError(
+            f"block_size, batch_size and max_batches must be at least 1, got {block_size}, {batch_size}, {max_batches}"
+        )
+    last_start = len(data) - block_size - 1
+    if last_start < 0:
+        raise DataError(
+            f"the held-out text has {len(data)} bytes, fewer than the {block_size + 1} one eval sample needs; "
+            "use more data or a smaller model"
+        )
+    num_samples = min(max_batches * batch_size, (len(data) - 1) // block_size)
+    # integer spacing: exact for any corpus size, unlike a float linspace
+    starts = torch.tensor([i * last_start // max(1, num_samples - 1) for i in range(num_samples)], dtype=torch.long)
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    chunk = tokens[starts[:, None] + torch.arange(block_size + 1)].long()  # (num_samples, T+1)
+    x, y = chunk[:, :-1], chunk[:, 1:]
+    return [(xb.contiguous(), yb.contiguous()) for xb, yb in zip(x.split(batch_size), y.split(batch_size))]
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: Iterable[Batch]) -> float:
+    """The mean loss per sample over ``batches``, in eval mode; the model goes back to the mode it was in."""
+    was_training = model.training
+    model.eval()
+    try:
+        total, num_samples = None, 0
+        for x, y in batches:
+            _, loss = model(x, y)
+            # summed on the device, one .item() at the end: each .item() is a CPU-GPU sync point
+            weighted = loss.float() * x.shape[0]  # weighted by samples: the last batch can be smaller
+            total = weighted if total is None else total + weighted
+            num_samples += x.shape[0]
+    finally:
+        model.train(was_training)
+    if total is None:
+        raise ValueError("evaluate() got no batches")
+    return total.item() / num_samples
