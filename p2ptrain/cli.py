@@ -252,6 +252,7 @@ def bootstrap(ctx: click.Context, maddrs_file: Optional[str], config_path: Optio
 @click.pass_context
 def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[str], progress: bool, **params) -> None:
     """Join a run as a training peer."""
+    from p2ptrain.config import ConfigError
     from p2ptrain.data import DataError
     from p2ptrain.peer import Worker
     from p2ptrain.swarm.dht import SwarmError
@@ -263,7 +264,7 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
     install_stop_handlers(worker.request_stop)
     try:
         report = worker.run()
-    except (DataError, SwarmError, ValueError) as e:
+    except (ConfigError, DataError, SwarmError) as e:
         raise BadInput(str(e)) from None
     logger.info(
         f"[{report.peer_id}] left after {report.outer_steps} outer steps ({report.stopped_by or 'data exhausted'}); "

@@ -140,6 +140,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.samples_since_sync = 0
         self.history: List[SyncRecord] = []
         self._closed = threading.Event()
+        self._interrupted = threading.Event()  # set: stop looking for peers (the peer is leaving)
         self._sync_lock = threading.Lock()
 
         # matchmaking requests must time out well inside the matchmaking window (hivemind's deadlock breaker)
@@ -275,7 +276,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def _average(self) -> tuple[Optional[RoundResult], int]:
         """Run averaging rounds under the no-group policy; None if this peer must go on alone."""
         attempts = 0
-        while not self._closed.is_set():
+        while not self._interrupted.is_set():
             attempts += 1
             if not self.averager.is_alive():
                 logger.error(f"{self._tag()} the averager process is gone; this peer can no longer average")
@@ -328,12 +329,18 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def _tag(self) -> str:
         return f"[{self.dht.peer_id.to_base58()[-8:]} outer_step={self.outer_step}]"
 
+    def interrupt(self) -> None:
+        """Stop waiting for peers: a sync in progress ends after its current attempt (applying this peer's own
+        pseudo-gradient if that attempt fails). Safe to call from a signal handler or another thread."""
+        self._interrupted.set()
+
     def close(self) -> None:
         """Stop the averager process. The DHT belongs to the caller and stays up. Safe to call twice."""
         if self._closed.is_set():
             return
         self._closed.set()
-        # a sync in flight stops retrying once _closed is set; let its current attempt finish (bounded)
+        self.interrupt()
+        # a sync in flight stops retrying once interrupted; let its current attempt finish (bounded)
         attempt_s = self.matchmaking_time_s + self._request_timeout_s + self.averaging_timeout_s + 15.0
         acquired = self._sync_lock.acquire(timeout=attempt_s)
         try:

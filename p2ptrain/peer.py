@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from tqdm import tqdm
 
-from p2ptrain.config import RunConfig
+from p2ptrain.config import ConfigError, RunConfig
 from p2ptrain.data import ShardedBatches, eval_batches, evaluate, load_corpus, split_train_val
 from p2ptrain.diloco import DiLoCoOptimizer
 from p2ptrain.model import build_model
@@ -59,7 +59,7 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this host; use --device cpu or auto")
+        raise ConfigError(f"--device {name}: CUDA is not available on this host; use --device cpu or auto")
     return torch.device(name)
 
 
@@ -71,10 +71,14 @@ class Worker:
         self.report_path = report_path
         self.show_progress = show_progress
         self._stop = threading.Event()
+        self._opt: Optional[DiLoCoOptimizer] = None
         self.report = WorkerReport(run_id=config.run_id, model=config.train.model)
 
     def request_stop(self) -> None:
+        """Leave after the current step; a sync that is waiting for peers gives up after its current attempt."""
         self._stop.set()
+        if self._opt is not None:
+            self._opt.interrupt()
 
     def run(self) -> WorkerReport:
         cfg, started = self.config, time.monotonic()
@@ -137,6 +141,9 @@ class Worker:
                 client_mode=cfg.swarm.client_mode,
                 progress=publisher,
             )
+            self._opt = opt
+            if self._stop.is_set():  # a signal arrived while the optimizer was being built
+                opt.interrupt()
             self.report.initial_eval_loss = self._evaluate(model, held_out, device)
             logger.info(
                 f"[{peer_id}] model {train_cfg.model} ({self.report.num_parameters:,} parameters) on {device}, "

@@ -85,3 +85,43 @@ def test_bootstrap_identity_is_stable(tmp_path):
             boot.send_signal(signal.SIGINT)
             assert boot.wait(timeout=30) == 0
     assert ids[0] == ids[1]
+
+
+def wait_for_log(path, text: str, proc, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if text in path.read_text():
+            return
+        assert proc.poll() is None, f"exited with {proc.returncode} before logging {text!r}:\n{path.read_text()}"
+        time.sleep(0.3)
+    raise AssertionError(f"{text!r} not in {path} after {timeout_s}s:\n{path.read_text()}")
+
+
+def lone_waiting_worker(tmp_path, name: str):
+    """A worker alone in its swarm under no_group_policy=wait: it sits in matchmaking until stopped."""
+    log = tmp_path / f"{name}.log"
+    proc = spawn("join", "--host-maddrs", LOOPBACK, "--run-id", name, "--local-steps", "3",
+                 "--no-group-policy", "wait", "--matchmaking-time", "2", "--threads", "1", "--no-progress",
+                 "--shard-index", "0", log=log)
+    wait_for_log(log, "waiting for peers", proc)
+    return proc, log
+
+
+def test_first_signal_leaves_a_waiting_sync_cleanly(tmp_path):
+    proc, log = lone_waiting_worker(tmp_path, "graceful")
+    children = descendants(proc)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0, log.read_text()
+    assert_all_gone(children)
+    assert "left after 1 outer steps (signal)" in log.read_text()
+
+
+def test_second_signal_forces_exit_without_orphans(tmp_path):
+    proc, log = lone_waiting_worker(tmp_path, "forced")
+    children = descendants(proc)
+    assert any(c.name() == "p2pd" for c in children)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 130, log.read_text()
+    assert_all_gone(children)
