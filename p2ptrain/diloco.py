@@ -228,11 +228,22 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def _sync(self) -> SyncRecord:
         started = time.perf_counter()
         self._update_throughput()
+        diverged = False
         with self.averager.get_tensors() as buffers:
             for buffer, g, p in zip(buffers, self.global_params, self.params):
                 torch.sub(g, p.detach().to("cpu", torch.float32), out=buffer)
+            if not all(torch.isfinite(buffer).all() for buffer in buffers):
+                # local training diverged: contribute nothing (weight 0, zeros) but still take the group's average,
+                # which puts this peer back on the shared parameters; the group is not kept waiting for us
+                diverged = True
+                for buffer in buffers:
+                    buffer.zero_()
+                logger.error(
+                    f"{self._tag()} the pseudo-gradient has NaN/inf values (local training diverged); "
+                    "discarding this peer's local progress since the last sync; lower inner_lr if this repeats"
+                )
 
-        result, attempts = self._average()
+        result, attempts = self._average(weight=0.0 if diverged else float(max(self.samples_since_sync, 1)))
         with self.averager.get_tensors() as buffers:
             if result is None:  # the buffers still hold our own pseudo-gradient: a failed round never writes them
                 logger.warning(
@@ -273,7 +284,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._publish_progress(force=True)
         return record
 
-    def _average(self) -> tuple[Optional[RoundResult], int]:
+    def _average(self, weight: float) -> tuple[Optional[RoundResult], int]:
         """Run averaging rounds under the no-group policy; None if this peer must go on alone."""
         attempts = 0
         while not self._interrupted.is_set():
@@ -285,7 +296,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 # the leader waits matchmaking_time_s for followers; allow a request timeout on top
                 matchmaking_timeout_s = self.matchmaking_time_s + self._request_timeout_s + 1.0
                 control = self.averager.step(
-                    weight=float(max(self.samples_since_sync, 1)),
+                    weight=weight,
                     gather={"outer_step": self.outer_step, "samples": self.samples_since_sync},
                     timeout=matchmaking_timeout_s,
                     allow_retries=True,

@@ -15,6 +15,7 @@ from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.averaging.partition import AllreduceException
 from hivemind.dht import DHTID
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
@@ -118,6 +119,9 @@ class PseudoGradientAverager(DecentralizedAverager):
         else:
             # collect first, write after: a round that fails half-way must leave the local tensors as they were
             averaged = [averaged_tensor async for _, averaged_tensor in azip(as_aiter(*tensors), runner)]
+            if not all(torch.isfinite(averaged_tensor).all() for averaged_tensor in averaged):
+                # a reducer averaged a non-finite part of its own in; keep ours rather than take the poison
+                raise AllreduceException("the averaged result has NaN/inf values; keeping the local tensors")
             for tensor, averaged_tensor in zip(tensors, averaged):
                 tensor.copy_(averaged_tensor)
             self.last_updated = time.time()

@@ -136,3 +136,76 @@ def test_fp16_syncs_leave_peers_bit_identical(two_dhts):
     finally:
         for opt in opts:
             opt.close()
+
+
+def sync_once(dhts, run_id: str, prepare) -> list:
+    """Build one optimizer per DHT (compression none), let ``prepare(i, model, opt)`` set up each peer's state
+    before its first sync, sync both concurrently; returns (model, opt) pairs and the start parameters."""
+    models = [make_model() for _ in dhts]
+    opts = [
+        DiLoCoOptimizer(model.parameters(), dht=dht, run_id=run_id, local_steps=1000, inner_optimizer=INNER,
+                        outer_optimizer=OUTER, compression="none", matchmaking_time_s=3.0, target_group_size=2)
+        for model, dht in zip(models, dhts)
+    ]
+    start = [p.detach().clone() for p in models[0].parameters()]
+    before = []
+    for i, (model, opt) in enumerate(zip(models, opts)):
+        prepare(i, model, opt)
+        before.append([p.detach().clone() for p in model.parameters()])
+    threads = [threading.Thread(target=opt.sync) for opt in opts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return models, opts, start, before
+
+
+def reference_step(start, pseudo_gradient):
+    params = [torch.nn.Parameter(p.clone()) for p in start]
+    for p, g in zip(params, pseudo_gradient):
+        p.grad = g.clone()
+    OUTER(params).step()
+    return [p.detach() for p in params]
+
+
+def test_average_is_weighted_by_samples(two_dhts):
+    samples = [8, 24]
+
+    def prepare(i, model, opt):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.full_like(p, 0.01 * (i + 1)))
+        opt.samples_since_sync = samples[i]
+
+    models, opts, start, before = sync_once(two_dhts, "weighted", prepare)
+    try:
+        weighted = [(samples[0] * (s - a) + samples[1] * (s - b)) / sum(samples)
+                    for s, a, b in zip(start, before[0], before[1])]
+        want = reference_step(start, weighted)
+        for model, opt in zip(models, opts):
+            assert opt.history[-1].averaged and opt.history[-1].samples in samples
+            for got, expected in zip(model.parameters(), want):
+                torch.testing.assert_close(got.detach(), expected, rtol=0, atol=1e-6)
+    finally:
+        for opt in opts:
+            opt.close()
+
+
+def test_diverged_peer_contributes_nothing_and_is_rescued(two_dhts):
+    def prepare(i, model, opt):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01) if i == 0 else p.fill_(float("nan"))
+        opt.samples_since_sync = 8
+
+    models, opts, start, before = sync_once(two_dhts, "diverged", prepare)
+    try:
+        want = reference_step(start, [s - b for s, b in zip(start, before[0])])  # the healthy peer's alone
+        for model, opt in zip(models, opts):
+            assert opt.history[-1].averaged and opt.history[-1].group_size == 2
+            for got, expected in zip(model.parameters(), want):
+                assert torch.isfinite(got).all()
+                torch.testing.assert_close(got.detach(), expected, rtol=0, atol=1e-6)
+    finally:
+        for opt in opts:
+            opt.close()
