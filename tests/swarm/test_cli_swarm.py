@@ -26,9 +26,15 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
     try:
         maddr = wait_for_file(tmp_path / "maddrs", boot)
         assert maddr.endswith("/p2p/" + maddr.rsplit("/", 1)[-1])
+        entry = maddr
         for i in range(2):
+            if i == 1:
+                # any live worker serves as an entry point: the second joins through the first's logged address
+                wait_for_log(tmp_path / "w0.log", "other peers can join through", workers[0])
+                entry = first_logged_maddr(tmp_path / "w0.log")
+                assert entry != maddr
             workers.append(spawn(
-                "join", "--initial-peers", maddr, "--host-maddrs", LOOPBACK, "--run-id", "clitest",
+                "join", "--initial-peers", entry, "--host-maddrs", LOOPBACK, "--run-id", "clitest",
                 "--local-steps", "10", "--num-shards", "2", "--target-group-size", "2",
                 "--no-group-policy", "wait", "--threads", "1", "--log-interval", "2", "--no-progress",
                 "--report", str(tmp_path / f"w{i}.json"), log=tmp_path / f"w{i}.log",
@@ -72,6 +78,16 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
         boot.send_signal(signal.SIGTERM)
         assert boot.wait(timeout=30) == 0
         assert_all_gone(boot_children)
+
+
+def first_logged_maddr(log) -> str:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for line in log.read_text().splitlines():
+            if "/ip4/127.0.0.1/tcp/" in line and "/p2p/" in line:
+                return line.split()[-1]
+        time.sleep(0.2)
+    raise AssertionError(f"no multiaddr logged in {log}")
 
 
 def test_bootstrap_identity_is_stable(tmp_path):
