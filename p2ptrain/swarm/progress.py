@@ -37,6 +37,7 @@ class ProgressPublisher:
         # a record outlives a few missed refreshes, not much more: status should drop dead peers quickly
         self.expiration_s = max(3 * period_s, 30.0)
         self._last_published = -math.inf
+        self._last_expiration = 0.0
         self.shard_index: Optional[int] = None
         """the data shard this peer claimed, published with every record (see swarm/shards.py)"""
 
@@ -58,13 +59,20 @@ class ProgressPublisher:
         self._store(record.SerializeToString(), get_dht_time() + self.expiration_s)
         self._last_published = time.monotonic()
 
-    def withdraw(self) -> None:
-        """Overwrite our record with one that expires at once, so we leave `status` on a clean exit."""
-        self._store(b"", get_dht_time() + 1.0)
+    def withdraw(self, timeout_s: float = 5.0) -> None:
+        """Overwrite our record with an empty one, so we leave `status` on a clean exit. Waits (bounded) for the
+        store: the caller usually shuts the DHT down next, which would drop a store still in flight."""
+        # the DHT keeps whichever value of a subkey expires last, so the empty record must outlive the last real one
+        expiration = max(self._last_expiration, get_dht_time()) + 1.0
+        try:
+            self._store(b"", expiration).result(timeout=timeout_s)
+        except Exception as e:
+            logger.debug(f"Could not withdraw the progress record: {e!r}")
 
-    def _store(self, value: bytes, expiration_time: float) -> None:
+    def _store(self, value: bytes, expiration_time: float):
         # return_future: the DHT process stores it in the background; a failed store only delays the listing
-        self.dht.store(
+        self._last_expiration = max(self._last_expiration, expiration_time)
+        return self.dht.store(
             progress_key(self.run_id),
             value,
             expiration_time=expiration_time,

@@ -55,6 +55,7 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
             assert set(peer) == {"peer_id", "outer_step", "local_step", "samples_per_s", "last_seen"}
             assert peer["local_step"] >= 20 and peer["samples_per_s"] > 0
 
+        synced_before_signal = min(p["outer_step"] for p in listing["peers"])
         children = [c for w in workers for c in descendants(w)]
         assert any(c.name() == "p2pd" for c in children)
         for w in workers:
@@ -63,12 +64,15 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
             assert w.wait(timeout=90) == 0
         assert_all_gone(children)
 
+        assert status(maddr, "clitest")["peers"] == [], "peers that left cleanly must leave the listing at once"
+
         reports = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2)]
         assert {r["shard_index"] for r in reports} == {0, 1}, "peers must claim different data shards"
         for report in reports:
             assert report["stopped_by"] == "signal"
             assert report["outer_steps"] >= 2
-            assert all(r["group_size"] == 2 for r in report["rounds"]), report["rounds"]
+            # every sync before the signal paired up; one in flight when both peers left may not have
+            assert all(r["group_size"] == 2 for r in report["rounds"][:synced_before_signal]), report["rounds"]
         assert "Traceback" not in (tmp_path / "w0.log").read_text()
     finally:
         for w in workers:
