@@ -23,7 +23,7 @@ from tqdm import tqdm
 from p2ptrain.config import ConfigError, RunConfig
 from p2ptrain.data import ShardedBatches, eval_batches, evaluate, load_corpus, split_train_val
 from p2ptrain.diloco import DiLoCoOptimizer
-from p2ptrain.model import build_model
+from p2ptrain.model import build_model, model_config
 from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht, visible_maddrs
 from p2ptrain.swarm.progress import ProgressPublisher
 from p2ptrain.swarm.shards import claim_shard
@@ -160,8 +160,6 @@ class Worker:
         return self.report
 
     def _block_size(self) -> int:
-        from p2ptrain.model import model_config
-
         return model_config(self.config.train.model).block_size
 
     def _evaluate(self, model: torch.nn.Module, held_out, device: torch.device) -> float:

@@ -95,7 +95,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         except BaseException as e:
             if isinstance(e, Exception):
                 logger.debug(f"All-reduce failed: {e!r}", exc_info=True)
-            raise MatchmakingException(f"Unable to run All-Reduce: {e}")
+            raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: Optional[bytes] = None, **kwargs

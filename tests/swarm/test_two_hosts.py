@@ -74,7 +74,7 @@ def test_bootstrap_and_workers_on_two_hosts(two_hosts, tmp_path):
             time.sleep(0.2)
         maddr = (tmp_path / "maddrs").read_text().split()[0]
         assert f"/ip4/{addrs['a']}/" in maddr
-        for i, side in enumerate("ab"):
+        for side in "ab":
             workers.append(on(
                 hosts[side], "join", "--initial-peers", maddr, "--host-maddrs", f"/ip4/{addrs[side]}/tcp/0",
                 "--run-id", "twohosts", "--local-steps", "20", "--max-outer-steps", "3", "--num-shards", "2",
