@@ -209,3 +209,28 @@ def test_diverged_peer_contributes_nothing_and_is_rescued(two_dhts):
     finally:
         for opt in opts:
             opt.close()
+
+
+def test_client_mode_peer_averages_bit_identically():
+    """A peer behind NAT (client mode: it only dials out, reduces nothing) still gets the same bits."""
+    server = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    client = hivemind.DHT(start=True, client_mode=True, initial_peers=server.get_visible_maddrs())
+    try:
+        models, opts, snapshots, _ = train_peers(
+            [server, client], compression="fp16", local_steps=3, outer_steps=3, run_id="nat"
+        )
+        try:
+            assert opts[1].averager.client_mode and not opts[0].averager.client_mode
+            for opt in opts:
+                assert all(r.averaged and r.group_size == 2 for r in opt.history), opt.history
+            for k in range(3):
+                for a, b in zip(snapshots[0][k], snapshots[1][k]):
+                    assert torch.equal(a, b), f"parameters differ after sync {k + 1}"
+            # the client reduces nothing: it sends its whole vector and receives the whole average
+            assert opts[1].history[0].bytes_sent > opts[0].history[0].bytes_sent
+        finally:
+            for opt in opts:
+                opt.close()
+    finally:
+        client.shutdown()
+        server.shutdown()
