@@ -145,3 +145,37 @@ def test_second_signal_forces_exit_without_orphans(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 130, log.read_text()
     assert_all_gone(children)
+
+
+def test_training_survives_the_bootstrap_peer(tmp_path):
+    """Once workers found each other, the bootstrap host can vanish (kill -9 of its whole process tree)."""
+    boot = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(tmp_path / "maddrs"),
+                 log=tmp_path / "boot.log")
+    workers = []
+    try:
+        maddr = wait_for_file(tmp_path / "maddrs", boot)
+        for i in range(2):
+            workers.append(spawn(
+                "join", "--initial-peers", maddr, "--host-maddrs", LOOPBACK, "--run-id", "nospof",
+                "--local-steps", "20", "--max-outer-steps", "5", "--num-shards", "2", "--shard-index", str(i),
+                "--target-group-size", "2", "--no-group-policy", "wait", "--threads", "1", "--no-progress",
+                "--report", str(tmp_path / f"w{i}.json"), log=tmp_path / f"w{i}.log",
+            ))
+        deadline = time.monotonic() + 120
+        while not all("outer_step=1" in (tmp_path / f"w{i}.log").read_text() for i in range(2)):
+            assert time.monotonic() < deadline and all(w.poll() is None for w in workers)
+            time.sleep(0.3)
+        for proc in [boot, *descendants(boot)]:  # the bootstrap host dies: python, its DHT process, its p2pd
+            proc.kill()
+        boot.wait(timeout=10)
+
+        for i, w in enumerate(workers):
+            assert w.wait(timeout=150) == 0, (tmp_path / f"w{i}.log").read_text()
+        for i in range(2):
+            report = json.loads((tmp_path / f"w{i}.json").read_text())
+            assert report["outer_steps"] == 5
+            assert [r["group_size"] for r in report["rounds"]] == [2] * 5, report["rounds"]
+    finally:
+        for proc in [boot, *workers]:
+            if proc.poll() is None:
+                proc.kill()
