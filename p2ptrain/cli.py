@@ -143,6 +143,9 @@ RUN_OPTIONS: List[Tuple[str, str, Dict[str, Any]]] = [
     ("--eval-batches", "train.eval_batches", dict(type=click.IntRange(min=1), help="Held-out batches per eval.")),
     ("--log-interval", "train.log_interval_s", dict(type=float, help="Seconds between log lines.")),
     ("--threads", "train.threads", dict(type=click.IntRange(min=1), help="torch CPU threads.")),
+    ("--checkpoint-dir", "train.checkpoint_dir",
+     dict(help="Write <run-id>.pt here atomically every --checkpoint-every syncs and at exit.")),
+    ("--checkpoint-every", "train.checkpoint_every", dict(type=click.IntRange(min=1), help="Syncs between checkpoints.")),
 ]
 
 
@@ -249,9 +252,12 @@ def bootstrap(ctx: click.Context, maddrs_file: Optional[str], config_path: Optio
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), envvar="P2PTRAIN_REPORT",
               show_envvar=True, help="Write a JSON report (losses, every sync) here on exit.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
+@click.option("--resume", is_flag=True, help="Continue from the checkpoint in --checkpoint-dir.")
 @click.pass_context
-def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[str], progress: bool, **params) -> None:
+def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[str], progress: bool, resume: bool,
+         **params) -> None:
     """Join a run as a training peer."""
+    from p2ptrain.checkpoint import CheckpointError
     from p2ptrain.config import ConfigError
     from p2ptrain.data import DataError
     from p2ptrain.peer import Worker
@@ -260,11 +266,11 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
     config = load_run_config(ctx, config_path, params)
     if not config.swarm.initial_peers:
         logger.warning("no --initial-peers: starting a new swarm; others can join through the addresses below")
-    worker = Worker(config, report_path=report_path, show_progress=progress)
+    worker = Worker(config, report_path=report_path, show_progress=progress, resume=resume)
     install_stop_handlers(worker.request_stop)
     try:
         report = worker.run()
-    except (ConfigError, DataError, SwarmError) as e:
+    except (CheckpointError, ConfigError, DataError, SwarmError) as e:
         raise BadInput(str(e)) from None
     logger.info(
         f"[{report.peer_id}] left after {report.outer_steps} outer steps ({report.stopped_by or 'data exhausted'}); "

@@ -93,6 +93,10 @@ class TrainConfig:
     """seconds between log lines"""
     threads: Optional[int] = None
     """torch CPU threads; unset: torch's default"""
+    checkpoint_dir: Optional[str] = None
+    """write <run_id>.pt here atomically every checkpoint_every syncs and at exit; unset: no checkpoints"""
+    checkpoint_every: int = 10
+    """syncs between checkpoints"""
 
 
 @dataclass
@@ -211,6 +215,7 @@ def validate(config: RunConfig) -> None:
          f"train.device {t.device!r} is unknown; use auto, cpu, cuda or cuda:N")
     need(t.max_outer_steps is None or t.max_outer_steps >= 1,
          f"train.max_outer_steps must be at least 1, got {t.max_outer_steps}")
+    need(t.checkpoint_every >= 1, f"train.checkpoint_every must be at least 1, got {t.checkpoint_every}")
     need(t.eval_batches >= 1, f"train.eval_batches must be at least 1, got {t.eval_batches}")
     need(s.bootstrap_timeout_s > 0, f"swarm.bootstrap_timeout_s must be positive, got {s.bootstrap_timeout_s}")
     try:

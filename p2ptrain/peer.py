@@ -20,12 +20,13 @@ from typing import Any, Dict, List, Optional
 import torch
 from tqdm import tqdm
 
+from p2ptrain.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from p2ptrain.config import ConfigError, RunConfig
 from p2ptrain.data import ShardedBatches, eval_batches, evaluate, load_corpus, split_train_val
 from p2ptrain.diloco import DiLoCoOptimizer
 from p2ptrain.model import build_model, model_config
 from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht, visible_maddrs
-from p2ptrain.swarm.progress import ProgressPublisher
+from p2ptrain.swarm.progress import ProgressPublisher, fetch_progress
 from p2ptrain.swarm.shards import claim_shard
 
 logger = logging.getLogger(__name__)
@@ -66,12 +67,21 @@ def pick_device(name: str) -> torch.device:
 class Worker:
     """A training peer. ``run()`` blocks until ``max_outer_steps`` or ``request_stop()``; returns a report."""
 
-    def __init__(self, config: RunConfig, *, report_path: Optional[str] = None, show_progress: bool = True):
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        report_path: Optional[str] = None,
+        show_progress: bool = True,
+        resume: bool = False,
+    ):
         self.config = config
+        self.resume = resume
         self.report_path = report_path
         self.show_progress = show_progress
         self._stop = threading.Event()
         self._opt: Optional[DiLoCoOptimizer] = None
+        self._checkpoint_parts: Optional[tuple] = None  # (model, optimizer, batches) once training can begin
         self.report = WorkerReport(run_id=config.run_id, model=config.train.model)
 
     def request_stop(self) -> None:
@@ -86,8 +96,9 @@ class Worker:
         if train_cfg.threads:
             torch.set_num_threads(train_cfg.threads)
         device = pick_device(train_cfg.device)
-        # read the data before joining: a bad --data path must fail before any process is started
+        # read the data and the checkpoint before joining: bad input must fail before any process is started
         train_bytes, val_bytes = split_train_val(load_corpus(train_cfg.data or None))
+        resumed = self._load_resume_state() if self.resume else None
 
         dht = start_dht(cfg.swarm)
         opt: Optional[DiLoCoOptimizer] = None
@@ -100,7 +111,9 @@ class Worker:
             logger.info(f"[{peer_id}] effective config: {json.dumps(cfg.to_dict(), sort_keys=True)}")
 
             publisher = ProgressPublisher(dht, cfg.run_id)
-            if train_cfg.shard_index is not None:
+            if resumed is not None:
+                publisher.shard_index = resumed["shard_index"]  # keep training on the same data
+            elif train_cfg.shard_index is not None:
                 publisher.shard_index = train_cfg.shard_index
             else:
                 publisher.shard_index = claim_shard(dht, cfg.run_id, train_cfg.num_shards, publisher)
@@ -144,12 +157,18 @@ class Worker:
             self._opt = opt
             if self._stop.is_set():  # a signal arrived while the optimizer was being built
                 opt.interrupt()
+            if resumed is not None:
+                self._restore(resumed, model, opt, batches)
+            self._warn_if_behind(dht, opt)
             self.report.initial_eval_loss = self._evaluate(model, held_out, device)
             logger.info(
                 f"[{peer_id}] model {train_cfg.model} ({self.report.num_parameters:,} parameters) on {device}, "
                 f"shard {publisher.shard_index}/{train_cfg.num_shards}, eval loss {self.report.initial_eval_loss:.4f}"
             )
+            self._checkpoint_parts = (model, opt, batches)
             self._train(model, opt, batches, held_out, device)
+            # only on a normal exit (done or signalled): after an exception the state may be half-updated
+            self._save_checkpoint("exit")
         finally:
             if opt is not None:
                 opt.close()
@@ -158,6 +177,61 @@ class Worker:
             if self.report_path:
                 Path(self.report_path).write_text(json.dumps(self.report.to_dict(), indent=2))
         return self.report
+
+    def _warn_if_behind(self, dht, opt: DiLoCoOptimizer) -> None:
+        ahead = [r.outer_step for r in fetch_progress(dht, self.config.run_id) if r.peer_id != self.report.peer_id]
+        if ahead and max(ahead) > opt.outer_step:
+            # TODO(issue 3): take the global state from live peers instead of training from a stale one
+            logger.warning(
+                f"[{self.report.peer_id}] the swarm is at outer step {max(ahead)}, this peer at {opt.outer_step}: "
+                "taking the state from live peers is not implemented yet, so this peer trains from stale parameters"
+            )
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+
+    def _load_resume_state(self) -> dict:
+        cfg = self.config
+        if not cfg.train.checkpoint_dir:
+            raise ConfigError("--resume needs --checkpoint-dir: the folder the previous run wrote its checkpoint to")
+        state = load_checkpoint(checkpoint_path(cfg.train.checkpoint_dir, cfg.run_id))
+        for key, expected in (("run_id", cfg.run_id), ("model", cfg.train.model), ("num_shards", cfg.train.num_shards)):
+            if state.get(key) != expected:
+                raise ConfigError(
+                    f"the checkpoint was written with {key}={state.get(key)!r} but this run has {expected!r}; "
+                    f"use the same {key} to resume"
+                )
+        return state
+
+    def _restore(self, state: dict, model, opt: DiLoCoOptimizer, batches: ShardedBatches) -> None:
+        model.load_state_dict(state["model_state"])
+        opt.load_state_dict(state["optimizer"])
+        batches.load_state_dict(state["data"])
+        self.report.outer_steps = opt.outer_step
+        self.report.local_steps = opt.local_step
+        logger.info(
+            f"[{self.report.peer_id}] resumed from the checkpoint at outer step {opt.outer_step}, "
+            f"local step {opt.local_step}"
+        )
+
+    def _save_checkpoint(self, why: str) -> None:
+        directory = self.config.train.checkpoint_dir
+        if not directory or self._checkpoint_parts is None:
+            return
+        model, opt, batches = self._checkpoint_parts
+        path = checkpoint_path(directory, self.config.run_id)
+        try:
+            save_checkpoint(path, {
+                "run_id": self.config.run_id,
+                "model": self.config.train.model,
+                "num_shards": self.config.train.num_shards,
+                "shard_index": self.report.shard_index,
+                "model_state": model.state_dict(),
+                "optimizer": opt.state_dict(),
+                "data": batches.state_dict(),
+            })
+            logger.info(f"[{self.report.peer_id}] checkpoint written to {path} ({why})")
+        except OSError as e:  # a full disk must not kill training: the previous checkpoint stays valid
+            logger.error(f"[{self.report.peer_id}] could not write the checkpoint {path}: {e}")
 
     def _block_size(self) -> int:
         return model_config(self.config.train.model).block_size
@@ -195,6 +269,8 @@ class Worker:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss_value:.3f}", outer=opt.outer_step)
 
+                if opt.outer_step != synced_before and opt.outer_step % cfg.checkpoint_every == 0:
+                    self._save_checkpoint(f"outer step {opt.outer_step}")
                 if opt.outer_step != synced_before:
                     record = opt.history[-1].to_dict()
                     record["eval_loss"] = self._evaluate(model, held_out, device)
