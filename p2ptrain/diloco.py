@@ -142,6 +142,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._closed = threading.Event()
         self._interrupted = threading.Event()  # set: stop looking for peers (the peer is leaving)
         self._sync_lock = threading.Lock()
+        # guards what a newcomer downloads (global params, outer and inner state, counters) against the training
+        # thread changing it mid-copy; held for one inner step or one outer update at a time
+        self._state_lock = threading.Lock()
 
         # matchmaking requests must time out well inside the matchmaking window (hivemind's deadlock breaker)
         self._request_timeout_s = min(3.0, matchmaking_time_s / 2)
@@ -161,6 +164,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             client_mode=client_mode,
             shutdown_timeout=5,
         )
+        self.averager.state_provider = self._shareable_state
         try:
             self.averager.start_in_background(timeout_s=averager_start_timeout_s)
         except Exception as e:
@@ -181,8 +185,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Optional[Callable[[], float]] = None, batch_size: Optional[int] = None):
         """One inner step; every ``local_steps`` inner steps, also a sync. Returns what the closure returned."""
-        loss = self.inner_optimizer.step(closure)
-        self.local_step += 1
+        with self._state_lock:
+            loss = self.inner_optimizer.step(closure)
+            self.local_step += 1
         samples = batch_size if batch_size is not None else (self.batch_size or 1)
         self.samples_since_sync += samples
         self._throughput_samples += samples
@@ -250,15 +255,15 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                     f"{self._tag()} no group formed within {self.matchmaking_time_s:.1f}s; "
                     "applying this peer's own pseudo-gradient (no_group_policy=apply_local)"
                 )
-            for g, buffer in zip(self.global_params, buffers):
-                g.grad = buffer
-            self.outer_optimizer.step()
-            for g in self.global_params:
-                g.grad = None
-        for p, g in zip(self.params, self.global_params):
-            p.copy_(g)  # to the parameter's own device and dtype
-
-        self.outer_step += 1
+            with self._state_lock:
+                for g, buffer in zip(self.global_params, buffers):
+                    g.grad = buffer
+                self.outer_optimizer.step()
+                for g in self.global_params:
+                    g.grad = None
+                for p, g in zip(self.params, self.global_params):
+                    p.copy_(g)  # to the parameter's own device and dtype
+                self.outer_step += 1
         record = SyncRecord(
             outer_step=self.outer_step,
             averaged=result is not None,
@@ -316,6 +321,104 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 f"{self._tag()} no group formed (attempt {attempts}); waiting for peers (no_group_policy=wait)"
             )
         return None, attempts
+
+    # ------------------------------------------------------------------------------------------ state transfer
+
+    def _shareable_state(self) -> tuple:
+        """What a newcomer downloads from this peer (called in this process by hivemind's state-serving thread):
+        metadata (counters, which optimizer states follow) and tensors (global params, outer momentum, inner state).
+        The copies are taken under the state lock, so the donor pauses for one memory copy, not for the transfer."""
+        with self._state_lock:
+            tensors = [g.detach().clone() for g in self.global_params]
+            momentum = [self.outer_optimizer.state.get(g, {}).get("momentum_buffer") for g in self.global_params]
+            has_momentum = all(m is not None for m in momentum)
+            if has_momentum:
+                tensors += [m.clone() for m in momentum]
+            inner = []
+            for p in self.params:
+                state = self.inner_optimizer.state.get(p, {})
+                names = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0)
+                scalars = {
+                    k: float(v) for k, v in state.items() if k not in names and isinstance(v, (int, float, torch.Tensor))
+                }
+                tensors += [state[name].detach().to("cpu", copy=True) for name in names]
+                inner.append({"tensors": names, "scalars": scalars})
+            metadata = {
+                "outer_step": self.outer_step,
+                "local_step": self.local_step,
+                "has_momentum": has_momentum,
+                "inner": inner,
+                "lrs": [group["lr"] for group in self.param_groups],
+            }
+        return metadata, tensors, None
+
+    def load_state_from_peers(self, timeout_s: float = 120.0) -> bool:
+        """Take the swarm's state from a live peer: global parameters, outer momentum, inner optimizer state, LR and
+        step counters; the model's parameters become the global ones. Returns False (and logs why) if no peer gave
+        a usable state; the peer then keeps its own."""
+        started = time.perf_counter()
+        try:
+            downloaded = self.averager.load_state_from_peers(timeout=timeout_s)
+        except Exception as e:
+            downloaded = None
+            logger.warning(f"{self._tag()} downloading the state from peers failed: {e!r}")
+        if downloaded is None:
+            logger.warning(f"{self._tag()} no live peer shared its state; keeping this peer's own")
+            return False
+        metadata, tensors = downloaded
+        problem = self._check_downloaded_state(metadata, tensors)
+        if problem:
+            logger.warning(f"{self._tag()} ignoring a downloaded state: {problem}")
+            return False
+        with torch.no_grad(), self._state_lock:
+            n = len(self.global_params)
+            for g, t in zip(self.global_params, tensors[:n]):
+                g.copy_(t)
+            rest = tensors[n:]
+            if metadata["has_momentum"]:
+                for g, m in zip(self.global_params, rest[:n]):
+                    self.outer_optimizer.state[g]["momentum_buffer"] = m.clone()
+                rest = rest[n:]
+            for p, spec in zip(self.params, metadata["inner"]):
+                state = {name: rest[i].to(p.device) for i, name in enumerate(spec["tensors"])}
+                rest = rest[len(spec["tensors"]):]
+                state.update({k: torch.tensor(v, dtype=torch.float32) for k, v in spec["scalars"].items()})
+                self.inner_optimizer.state[p] = state
+            for group, lr in zip(self.param_groups, metadata["lrs"]):
+                group["lr"] = lr
+            for p, g in zip(self.params, self.global_params):
+                p.copy_(g)
+            self.outer_step = int(metadata["outer_step"])
+            # the donor's local step puts this peer's next sync in phase with the swarm's
+            self.local_step = int(metadata["local_step"])
+            self.samples_since_sync = 0
+        logger.info(
+            f"{self._tag()} took the swarm's state (outer step {self.outer_step}) in "
+            f"{time.perf_counter() - started:.2f}s"
+        )
+        return True
+
+    def _check_downloaded_state(self, metadata: Any, tensors: List[torch.Tensor]) -> str:
+        """Why a peer's state must not be loaded, or an empty string: it comes from another host, so check it."""
+        try:
+            n = len(self.global_params)
+            inner_counts = [len(spec["tensors"]) for spec in metadata["inner"]]
+            expected = n * (2 if metadata["has_momentum"] else 1) + sum(inner_counts)
+            if len(metadata["inner"]) != len(self.params) or len(metadata["lrs"]) != len(self.param_groups):
+                return "it describes a different set of parameters"
+            if len(tensors) != expected:
+                return f"{len(tensors)} tensors where {expected} were announced"
+            shapes = [g.shape for g in self.global_params] * (2 if metadata["has_momentum"] else 1)
+            shapes += [p.shape for p, count in zip(self.params, inner_counts) for _ in range(count)]
+            if any(t.shape != shape for t, shape in zip(tensors, shapes)):
+                return "tensor shapes do not match this model (another model size?)"
+            if not all(torch.isfinite(t).all() for t in tensors):
+                return "it contains NaN or infinite values"
+            if int(metadata["outer_step"]) < 0 or int(metadata["local_step"]) < 0:
+                return "negative step counters"
+        except (KeyError, TypeError, ValueError) as e:
+            return f"malformed metadata ({e!r})"
+        return ""
 
     # ------------------------------------------------------------------------------------------- housekeeping
 

@@ -47,6 +47,8 @@ class WorkerReport:
     final_eval_loss: float = float("nan")
     wall_s: float = 0.0
     samples: int = 0
+    state_download_s: Optional[float] = None
+    """seconds spent taking the swarm's state from live peers at start (None: not needed)"""
     stopped_by: str = ""
     """"max_outer_steps" or "signal" """
     rounds: List[Dict[str, Any]] = field(default_factory=list)
@@ -159,7 +161,7 @@ class Worker:
                 opt.interrupt()
             if resumed is not None:
                 self._restore(resumed, model, opt, batches)
-            self._warn_if_behind(dht, opt)
+            self._catch_up(dht, opt)
             self.report.initial_eval_loss = self._evaluate(model, held_out, device)
             logger.info(
                 f"[{peer_id}] model {train_cfg.model} ({self.report.num_parameters:,} parameters) on {device}, "
@@ -178,14 +180,22 @@ class Worker:
                 Path(self.report_path).write_text(json.dumps(self.report.to_dict(), indent=2))
         return self.report
 
-    def _warn_if_behind(self, dht, opt: DiLoCoOptimizer) -> None:
+    def _catch_up(self, dht, opt: DiLoCoOptimizer) -> None:
+        """A peer that starts behind the swarm (joining mid-run, resuming late) takes the state from live peers
+        first, so it never averages a pseudo-gradient computed from stale parameters."""
         ahead = [r.outer_step for r in fetch_progress(dht, self.config.run_id) if r.peer_id != self.report.peer_id]
-        if ahead and max(ahead) > opt.outer_step:
-            # TODO(issue 3): take the global state from live peers instead of training from a stale one
-            logger.warning(
-                f"[{self.report.peer_id}] the swarm is at outer step {max(ahead)}, this peer at {opt.outer_step}: "
-                "taking the state from live peers is not implemented yet, so this peer trains from stale parameters"
-            )
+        if not ahead or max(ahead) <= opt.outer_step:
+            return
+        logger.info(f"[{self.report.peer_id}] the swarm is at outer step {max(ahead)}, this peer at "
+                    f"{opt.outer_step}: taking the state from live peers")
+        started = time.monotonic()
+        if opt.load_state_from_peers(timeout_s=self.config.diloco.averaging_timeout_s):
+            self.report.outer_steps = opt.outer_step
+            self.report.local_steps = opt.local_step
+            self.report.state_download_s = time.monotonic() - started
+        else:
+            logger.warning(f"[{self.report.peer_id}] could not take the state from peers; training from its own, "
+                           "which is behind the swarm")
 
     # ------------------------------------------------------------------------------------------- checkpoints
 

@@ -61,6 +61,15 @@ class PseudoGradientAverager(DecentralizedAverager):
         schema = [self.schema_hash.hex(), f"compression={compression}"]
         self.schema_hash = DHTID.generate(source=schema).to_bytes()
 
+    state_provider = None
+    """A callable returning (metadata, tensors, infos) that newcomers download; set by DiLoCoOptimizer."""
+
+    def get_current_state(self):
+        # runs in the host process, in hivemind's state-serving thread, when a peer asks for our state
+        if self.state_provider is None:
+            return super().get_current_state()
+        return self.state_provider()
+
     def run(self):
         # Runs in the child process. The parent owns SIGINT (first = graceful, second = force) and shuts us down;
         # ignoring it here is what hivemind's run_in_background does too, but without touching the parent's handler.

@@ -179,3 +179,48 @@ def test_training_survives_the_bootstrap_peer(tmp_path):
         for proc in [boot, *workers]:
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_newcomer_mid_run_takes_the_state_and_joins_rounds(tmp_path):
+    boot = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(tmp_path / "maddrs"),
+                 log=tmp_path / "boot.log")
+    workers = []
+
+    def start_worker(i: int):
+        workers.append(spawn(
+            "join", "--initial-peers", maddr, "--host-maddrs", LOOPBACK, "--run-id", "midrun",
+            "--local-steps", "20", "--num-shards", "3", "--shard-index", str(i), "--matchmaking-time", "3",
+            "--no-group-policy", "wait", "--threads", "1", "--no-progress", "--log-interval", "2",
+            "--report", str(tmp_path / f"w{i}.json"), log=tmp_path / f"w{i}.log",
+        ))
+
+    try:
+        maddr = wait_for_file(tmp_path / "maddrs", boot)
+        start_worker(0)
+        start_worker(1)
+        deadline = time.monotonic() + 120
+        while not all(p["outer_step"] >= 2 for p in status(maddr, "midrun")["peers"] or [{"outer_step": 0}]):
+            assert time.monotonic() < deadline and all(w.poll() is None for w in workers)
+            time.sleep(1)
+        start_worker(2)
+        wait_for_log(tmp_path / "w2.log", "took the swarm's state", workers[2], timeout_s=90)
+        # the newcomer must then average with the others: wait for one of its syncs with a group of 3
+        wait_for_log(tmp_path / "w2.log", "sync: group_size=3", workers[2], timeout_s=90)
+        for w in workers:
+            w.send_signal(signal.SIGINT)
+        for i, w in enumerate(workers):
+            assert w.wait(timeout=90) == 0, (tmp_path / f"w{i}.log").read_text()
+        old, new = (json.loads((tmp_path / f"w{i}.json").read_text()) for i in (0, 2))
+        assert new["state_download_s"] is not None
+        joined_at = new["rounds"][0]["outer_step"] - 1  # the outer step whose state it downloaded
+        swarm_loss = next(r["eval_loss"] for r in old["rounds"] if r["outer_step"] == joined_at)
+        # its first eval is the swarm's model, not a fresh one (ln 256 = 5.55)
+        assert abs(new["initial_eval_loss"] - swarm_loss) <= 0.1 * swarm_loss, (new["initial_eval_loss"], swarm_loss)
+    finally:
+        for proc in [*workers, boot]:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=30)
+                except Exception:
+                    proc.kill()

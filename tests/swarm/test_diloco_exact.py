@@ -234,3 +234,34 @@ def test_client_mode_peer_averages_bit_identically():
     finally:
         client.shutdown()
         server.shutdown()
+
+
+def test_newcomer_takes_the_swarm_state(two_dhts):
+    """After two peers synced twice, a third peer downloads exactly their global state and outer momentum."""
+    models, opts, _, _ = train_peers(two_dhts, compression="fp16", local_steps=3, outer_steps=2, run_id="join")
+    newcomer_dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                initial_peers=two_dhts[0].get_visible_maddrs())
+    torch.manual_seed(123)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))  # other init
+    newcomer = DiLoCoOptimizer(model.parameters(), dht=newcomer_dht, run_id="join", local_steps=3,
+                               inner_optimizer=INNER, outer_optimizer=OUTER, matchmaking_time_s=3.0)
+    try:
+        assert newcomer.load_state_from_peers(timeout_s=30)
+        donor = opts[0]
+        assert newcomer.outer_step == donor.outer_step == 2 and newcomer.local_step == donor.local_step
+        for mine, theirs, param in zip(newcomer.global_params, donor.global_params, model.parameters()):
+            assert torch.equal(mine, theirs) and torch.equal(param.detach(), theirs.detach())
+            assert torch.equal(newcomer.outer_optimizer.state[mine]["momentum_buffer"],
+                               donor.outer_optimizer.state[theirs]["momentum_buffer"])
+        for p_new, p_old in zip(model.parameters(), models[0].parameters()):
+            state_new, state_old = newcomer.inner_optimizer.state[p_new], donor.inner_optimizer.state[p_old]
+            assert torch.equal(state_new["exp_avg_sq"], state_old["exp_avg_sq"])
+            assert float(state_new["step"]) == float(state_old["step"])
+        # and it trains on from there with the inner optimizer it took over
+        model(torch.randn(8, 16)).pow(2).mean().backward()
+        newcomer.step()
+    finally:
+        newcomer.close()
+        for opt in opts:
+            opt.close()
+        newcomer_dht.shutdown()
