@@ -145,7 +145,8 @@ RUN_OPTIONS: List[Tuple[str, str, Dict[str, Any]]] = [
     ("--threads", "train.threads", dict(type=click.IntRange(min=1), help="torch CPU threads.")),
     ("--checkpoint-dir", "train.checkpoint_dir",
      dict(help="Write <run-id>.pt here atomically every --checkpoint-every syncs and at exit.")),
-    ("--checkpoint-every", "train.checkpoint_every", dict(type=click.IntRange(min=1), help="Syncs between checkpoints.")),
+    ("--checkpoint-every", "train.checkpoint_every",
+     dict(type=click.IntRange(min=1), help="Syncs between checkpoints.")),
 ]
 
 

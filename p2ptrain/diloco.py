@@ -26,11 +26,12 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
 
 from p2ptrain.averaging import PseudoGradientAverager, RoundResult
-from p2ptrain.swarm.progress import ProgressPublisher
+from p2ptrain.swarm.progress import ProgressPublisher, fetch_progress
 
 logger = logging.getLogger(__name__)
 
 NO_GROUP_POLICIES = ("apply_local", "wait")
+_BEHIND = object()  # _average's answer when the swarm is at a later outer step than this peer
 
 
 @dataclass
@@ -55,6 +56,8 @@ class SyncRecord:
     """matchmaking attempts (more than 1 only under the "wait" policy)"""
     group_outer_steps: List[int] = field(default_factory=list)
     """outer step each group member was on; differing values mean the peers were not in sync"""
+    caught_up: bool = False
+    """True when the peer was behind the swarm and took the state from live peers instead of averaging"""
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -249,6 +252,14 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 )
 
         result, attempts = self._average(weight=0.0 if diverged else float(max(self.samples_since_sync, 1)))
+        if result is _BEHIND:
+            logger.warning(
+                f"{self._tag()} the swarm has moved past outer step {self.outer_step}; discarding this peer's "
+                "stale pseudo-gradient and taking the state from live peers"
+            )
+            if self.load_state_from_peers(timeout_s=self.averaging_timeout_s):
+                return self._record(started, None, attempts, caught_up=True)
+            result = None  # nobody could give us the state: fall back to the no-group policy
         with self.averager.get_tensors() as buffers:
             if result is None:  # the buffers still hold our own pseudo-gradient: a failed round never writes them
                 logger.warning(
@@ -264,6 +275,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 for p, g in zip(self.params, self.global_params):
                     p.copy_(g)  # to the parameter's own device and dtype
                 self.outer_step += 1
+        return self._record(started, result, attempts)
+
+    def _record(
+        self, started: float, result: Optional[RoundResult], attempts: int, caught_up: bool = False
+    ) -> SyncRecord:
         record = SyncRecord(
             outer_step=self.outer_step,
             averaged=result is not None,
@@ -275,6 +291,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             failed_fraction=result.failed_fraction if result else 0.0,
             attempts=attempts,
             group_outer_steps=sorted(m.get("outer_step", -1) for m in result.gathered.values()) if result else [],
+            caught_up=caught_up,
         )
         self.history.append(record)
         self.samples_since_sync = 0
@@ -298,6 +315,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 logger.error(f"{self._tag()} the averager process is gone; this peer can no longer average")
                 break
             try:
+                # peers only group with peers at the same outer step: a peer that fell behind finds nobody and
+                # catches up from live peers instead of averaging a pseudo-gradient computed from stale parameters
+                self.averager.set_group_bits(format(self.outer_step % 256, "08b"))
                 # the leader waits matchmaking_time_s for followers; allow a request timeout on top
                 matchmaking_timeout_s = self.matchmaking_time_s + self._request_timeout_s + 1.0
                 control = self.averager.step(
@@ -315,12 +335,20 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 logger.debug(f"{self._tag()} averaging attempt {attempts} failed: {e!r}")
             except Exception as e:  # a network failure is a value: log it, never let it kill training
                 logger.warning(f"{self._tag()} averaging attempt {attempts} failed unexpectedly: {e!r}")
+            if self._swarm_outer_step() > self.outer_step:
+                return _BEHIND, attempts
             if self.no_group_policy == "apply_local":
                 break
             logger.warning(
                 f"{self._tag()} no group formed (attempt {attempts}); waiting for peers (no_group_policy=wait)"
             )
         return None, attempts
+
+    def _swarm_outer_step(self) -> int:
+        """The highest outer step among the run's other live peers (from their progress records), or -1."""
+        me = self.dht.peer_id.to_base58()
+        steps = [r.outer_step for r in fetch_progress(self.dht, self.run_id, timeout_s=5.0) if r.peer_id != me]
+        return max(steps, default=-1)
 
     # ------------------------------------------------------------------------------------------ state transfer
 
@@ -338,9 +366,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             for p in self.params:
                 state = self.inner_optimizer.state.get(p, {})
                 names = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0)
-                scalars = {
-                    k: float(v) for k, v in state.items() if k not in names and isinstance(v, (int, float, torch.Tensor))
-                }
+                numbers = (int, float, torch.Tensor)
+                scalars = {k: float(v) for k, v in state.items() if k not in names and isinstance(v, numbers)}
                 tensors += [state[name].detach().to("cpu", copy=True) for name in names]
                 inner.append({"tensors": names, "scalars": scalars})
             metadata = {

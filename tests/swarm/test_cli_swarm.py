@@ -212,7 +212,14 @@ def test_newcomer_mid_run_takes_the_state_and_joins_rounds(tmp_path):
             assert w.wait(timeout=90) == 0, (tmp_path / f"w{i}.log").read_text()
         old, new = (json.loads((tmp_path / f"w{i}.json").read_text()) for i in (0, 2))
         assert new["state_download_s"] is not None
-        joined_at = new["rounds"][0]["outer_step"] - 1  # the outer step whose state it downloaded
+        # nobody ever averaged a pseudo-gradient from another outer step than the rest of its group
+        for report in (old, new):
+            for r in report["rounds"]:
+                assert len(set(r["group_outer_steps"])) <= 1, r
+        assert any(r["group_size"] == 3 and r["averaged"] for r in new["rounds"])
+        # the outer step whose state it downloaded (a late round may have made it download once more)
+        joined_at = new["rounds"][0]["outer_step"] - 1 if not new["rounds"][0]["caught_up"] else None
+        joined_at = joined_at if joined_at is not None else new["rounds"][0]["outer_step"]
         swarm_loss = next(r["eval_loss"] for r in old["rounds"] if r["outer_step"] == joined_at)
         # its first eval is the swarm's model, not a fresh one (ln 256 = 5.55)
         assert abs(new["initial_eval_loss"] - swarm_loss) <= 0.1 * swarm_loss, (new["initial_eval_loss"], swarm_loss)
