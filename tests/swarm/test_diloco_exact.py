@@ -36,6 +36,15 @@ def two_dhts():
     first.shutdown()
 
 
+@pytest.fixture
+def third_dht(two_dhts):
+    """A DHT that joins the two others later: a newcomer's or a late peer's."""
+    first = two_dhts[0]
+    node = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
+    yield node
+    node.shutdown()
+
+
 def train_peers(dhts, *, compression: str, local_steps: int, outer_steps: int, run_id: str):
     """Drive one DiLoCoOptimizer per DHT from its own thread; return models, optimizers and per-sync snapshots."""
     models = [make_model() for _ in dhts]
@@ -236,14 +245,12 @@ def test_client_mode_peer_averages_bit_identically():
         server.shutdown()
 
 
-def test_newcomer_takes_the_swarm_state(two_dhts):
+def test_newcomer_takes_the_swarm_state(two_dhts, third_dht):
     """After two peers synced twice, a third peer downloads exactly their global state and outer momentum."""
     models, opts, _, _ = train_peers(two_dhts, compression="fp16", local_steps=3, outer_steps=2, run_id="join")
-    newcomer_dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                initial_peers=two_dhts[0].get_visible_maddrs())
     torch.manual_seed(123)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))  # other init
-    newcomer = DiLoCoOptimizer(model.parameters(), dht=newcomer_dht, run_id="join", local_steps=3,
+    newcomer = DiLoCoOptimizer(model.parameters(), dht=third_dht, run_id="join", local_steps=3,
                                inner_optimizer=INNER, outer_optimizer=OUTER, matchmaking_time_s=3.0)
     try:
         assert newcomer.load_state_from_peers(timeout_s=30)
@@ -265,19 +272,15 @@ def test_newcomer_takes_the_swarm_state(two_dhts):
         model(torch.randn(8, 16)).pow(2).mean().backward()
         newcomer.step()
     finally:
-        newcomer.close()
-        for opt in opts:
+        for opt in [newcomer, *opts]:
             opt.close()
-        newcomer_dht.shutdown()
 
 
-def test_peer_behind_the_swarm_catches_up_instead_of_averaging(two_dhts):
+def test_peer_behind_the_swarm_catches_up_instead_of_averaging(two_dhts, third_dht):
     """A peer whose sync comes while the swarm is at a later outer step takes the state rather than average."""
     models, opts, _, _ = train_peers(two_dhts, compression="fp16", local_steps=3, outer_steps=2, run_id="late")
-    late_dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                            initial_peers=two_dhts[0].get_visible_maddrs())
     model = make_model()
-    late = DiLoCoOptimizer(model.parameters(), dht=late_dht, run_id="late", local_steps=3, inner_optimizer=INNER,
+    late = DiLoCoOptimizer(model.parameters(), dht=third_dht, run_id="late", local_steps=3, inner_optimizer=INNER,
                            outer_optimizer=OUTER, matchmaking_time_s=2.0, no_group_policy="wait")
     try:
         for x, y in batches(5, 3):  # three local steps from the stale start: the third one syncs
@@ -293,7 +296,5 @@ def test_peer_behind_the_swarm_catches_up_instead_of_averaging(two_dhts):
         for a, b in zip(opts[0].global_params, opts[1].global_params):
             assert torch.equal(a, b)
     finally:
-        late.close()
-        for opt in opts:
+        for opt in [late, *opts]:
             opt.close()
-        late_dht.shutdown()
