@@ -14,6 +14,7 @@ bits, every peer leaves it with the same bits too: no parameter-averaging round 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -58,6 +59,8 @@ class SyncRecord:
     """outer step each group member was on; differing values mean the peers were not in sync"""
     caught_up: bool = False
     """True when the peer was behind the swarm and took the state from live peers instead of averaging"""
+    repaired: bool = False
+    """True when the group's digests showed this peer's global parameters differed and it took the state anew"""
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -167,6 +170,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             client_mode=client_mode,
             shutdown_timeout=5,
         )
+        self._digest = self._global_digest()
         self.averager.state_provider = self._shareable_state
         try:
             self.averager.start_in_background(timeout_s=averager_start_timeout_s)
@@ -219,6 +223,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for g, saved in zip(self.global_params, state_dict["global_params"], strict=True):
                 g.copy_(saved)
+        self._digest = self._global_digest()
         self.local_step = state_dict["local_step"]
         self.outer_step = state_dict["outer_step"]
         self.samples_since_sync = state_dict["samples_since_sync"]
@@ -275,10 +280,17 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 for p, g in zip(self.params, self.global_params):
                     p.copy_(g)  # to the parameter's own device and dtype
                 self.outer_step += 1
-        return self._record(started, result, attempts)
+            self._digest = self._global_digest()
+        repaired = result is not None and self._repair_if_diverged(result)
+        return self._record(started, result, attempts, repaired=repaired)
 
     def _record(
-        self, started: float, result: Optional[RoundResult], attempts: int, caught_up: bool = False
+        self,
+        started: float,
+        result: Optional[RoundResult],
+        attempts: int,
+        caught_up: bool = False,
+        repaired: bool = False,
     ) -> SyncRecord:
         record = SyncRecord(
             outer_step=self.outer_step,
@@ -292,6 +304,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             attempts=attempts,
             group_outer_steps=sorted(m.get("outer_step", -1) for m in result.gathered.values()) if result else [],
             caught_up=caught_up,
+            repaired=repaired,
         )
         self.history.append(record)
         self.samples_since_sync = 0
@@ -322,7 +335,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 matchmaking_timeout_s = self.matchmaking_time_s + self._request_timeout_s + 1.0
                 control = self.averager.step(
                     weight=weight,
-                    gather={"outer_step": self.outer_step, "samples": self.samples_since_sync},
+                    # the digest of the global parameters this round starts from: every member must have the same
+                    gather={"outer_step": self.outer_step, "samples": self.samples_since_sync,
+                            "digest": self._digest},
                     timeout=matchmaking_timeout_s,
                     allow_retries=True,
                     wait=False,
@@ -343,6 +358,40 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 f"{self._tag()} no group formed (attempt {attempts}); waiting for peers (no_group_policy=wait)"
             )
         return None, attempts
+
+    def _global_digest(self) -> str:
+        """A digest of the exact bits of the global parameters: equal on every peer after every committed round."""
+        digest = hashlib.blake2b(digest_size=16)
+        for g in self.global_params:
+            digest.update(g.detach().numpy())
+        return digest.hexdigest()
+
+    def _repair_if_diverged(self, result: RoundResult) -> bool:
+        """Compare the digests the group's members started the round from. If they differ (a peer missed part of an
+        earlier round, applied a local step, or was corrupted), every member agrees on one reference digest (the most
+        common; ties go to the smallest peer id) and the members that did not hold it take the state anew from a peer
+        that did. Returns True if this peer repaired itself."""
+        digests = {peer: info.get("digest") for peer, info in result.gathered.items()}
+        if len(set(digests.values())) <= 1:
+            return False
+        counts: dict = {}
+        for digest in digests.values():
+            counts[digest] = counts.get(digest, 0) + 1
+        reference = min(digests.items(), key=lambda item: (-counts[item[1]], item[0]))[1]
+        mine = digests.get(self.dht.peer_id.to_base58())
+        logger.error(
+            f"{self._tag()} the group started this round from {len(counts)} different parameter versions "
+            f"({', '.join(f'{d[:8]}x{n}' for d, n in counts.items())}); the reference is {reference[:8]}"
+        )
+        if mine == reference:
+            return False
+        # stop serving our state while it is the wrong one, so the download comes from a peer that has the reference
+        self.averager.allow_state_sharing = False
+        try:
+            return self.load_state_from_peers(timeout_s=self.averaging_timeout_s)
+        finally:
+            if not self.averager.client_mode:
+                self.averager.allow_state_sharing = True
 
     def _swarm_outer_step(self) -> int:
         """The highest outer step among the run's other live peers (from their progress records), or -1."""
@@ -419,6 +468,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             # the donor's local step puts this peer's next sync in phase with the swarm's
             self.local_step = int(metadata["local_step"])
             self.samples_since_sync = 0
+            self._digest = self._global_digest()
         logger.info(
             f"{self._tag()} took the swarm's state (outer step {self.outer_step}) in "
             f"{time.perf_counter() - started:.2f}s"

@@ -298,3 +298,29 @@ def test_peer_behind_the_swarm_catches_up_instead_of_averaging(two_dhts, third_d
     finally:
         for opt in [late, *opts]:
             opt.close()
+
+
+def test_diverged_global_parameters_are_detected_and_repaired(two_dhts):
+    """Peers that start a round from different global parameters (e.g. one kept its own values for parts whose
+    reducer died) notice it from the digests in the round and end the round on one state again."""
+    models, opts, _, _ = train_peers(two_dhts, compression="fp16", local_steps=3, outer_steps=1, run_id="digest")
+    try:
+        with torch.no_grad():  # peer 1's global parameters silently drift by one ulp-sized step
+            opts[1].global_params[0].view(-1)[0] += 1e-3
+        opts[1]._digest = opts[1]._global_digest()
+        threads = [threading.Thread(target=opt.sync) for opt in opts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        records = [opt.history[-1] for opt in opts]
+        assert all(r.averaged and r.group_size == 2 for r in records)
+        assert sum(r.repaired for r in records) == 1, records
+        for a, b in zip(opts[0].global_params, opts[1].global_params):
+            assert torch.equal(a, b)
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(a, b)
+        assert opts[0]._digest == opts[1]._digest
+    finally:
+        for opt in opts:
+            opt.close()
