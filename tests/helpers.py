@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -49,3 +50,29 @@ def assert_all_gone(processes: List[psutil.Process], timeout_s: float = 10) -> N
     _, alive = psutil.wait_procs(processes, timeout=timeout_s)
     names = [f"{p.pid}:{p.name()}" for p in alive if p.is_running()]
     assert not names, f"orphaned processes after exit: {names}"
+
+
+def start_bootstrap(tmp_path: Path, **kwargs) -> tuple:
+    """A `p2ptrain bootstrap` on loopback; returns (process, its first multiaddr)."""
+    proc = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(tmp_path / "maddrs"),
+                 log=tmp_path / "boot.log")
+    return proc, wait_for_file(tmp_path / "maddrs", proc, **kwargs)
+
+
+def start_worker(tmp_path: Path, i: int, maddr: str, run_id: str, *extra: str) -> subprocess.Popen:
+    """`p2ptrain join` number ``i`` on loopback: one torch thread, no progress bar, report w{i}.json, log w{i}.log."""
+    return spawn("join", "--initial-peers", maddr, "--host-maddrs", LOOPBACK, "--run-id", run_id, "--threads", "1",
+                 "--no-progress", "--report", str(tmp_path / f"w{i}.json"), *extra, log=tmp_path / f"w{i}.log")
+
+
+def stop_all(procs: List[subprocess.Popen]) -> None:
+    """SIGINT whatever still runs (a graceful stop), SIGKILL what does not leave within 30 s."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import time
 
 import pytest
 
-from tests.helpers import LOOPBACK, descendants, spawn, wait_for_file
+from tests.helpers import descendants, start_bootstrap, start_worker, stop_all
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
@@ -17,18 +16,14 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 def test_survivors_go_on_after_a_peer_is_killed(tmp_path):
     """SIGKILL of a worker's whole process tree half a second after its 2nd sync (with the tiny model that is
     during local training or matchmaking; an all-reduce lasts ~0.1 s, so this does not aim at one)."""
-    boot = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(tmp_path / "maddrs"),
-                 log=tmp_path / "boot.log")
+    boot, maddr = start_bootstrap(tmp_path)
     workers = []
     try:
-        maddr = wait_for_file(tmp_path / "maddrs", boot)
         for i in range(3):
-            workers.append(spawn(
-                "join", "--initial-peers", maddr, "--host-maddrs", LOOPBACK, "--run-id", "chaos",
-                "--local-steps", "20", "--max-outer-steps", "5", "--num-shards", "3", "--shard-index", str(i),
-                "--matchmaking-time", "2", "--averaging-timeout", "10", "--no-group-policy", "wait",
-                "--threads", "1", "--no-progress", "--log-interval", "1",
-                "--report", str(tmp_path / f"w{i}.json"), log=tmp_path / f"w{i}.log",
+            workers.append(start_worker(
+                tmp_path, i, maddr, "chaos", "--local-steps", "20", "--max-outer-steps", "5", "--num-shards", "3",
+                "--shard-index", str(i), "--matchmaking-time", "2", "--averaging-timeout", "10",
+                "--no-group-policy", "wait", "--log-interval", "1",
             ))
         victim_log = tmp_path / "w2.log"
         deadline = time.monotonic() + 150
@@ -53,10 +48,4 @@ def test_survivors_go_on_after_a_peer_is_killed(tmp_path):
         assert reports[0]["final_eval_loss"] == reports[1]["final_eval_loss"]
         print(f"survivors finished 5 outer steps {survivors_s:.1f}s after the kill")
     finally:
-        for proc in [*workers, boot]:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(timeout=30)
-                except Exception:
-                    proc.kill()
+        stop_all([*workers, boot])

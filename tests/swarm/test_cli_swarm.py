@@ -8,7 +8,17 @@ import time
 
 import pytest
 
-from tests.helpers import LOOPBACK, assert_all_gone, descendants, p2ptrain, spawn, wait_for_file
+from tests.helpers import (
+    LOOPBACK,
+    assert_all_gone,
+    descendants,
+    p2ptrain,
+    spawn,
+    start_bootstrap,
+    start_worker,
+    stop_all,
+    wait_for_file,
+)
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
@@ -149,17 +159,13 @@ def test_second_signal_forces_exit_without_orphans(tmp_path):
 
 def test_training_survives_the_bootstrap_peer(tmp_path):
     """Once workers found each other, the bootstrap host can vanish (kill -9 of its whole process tree)."""
-    boot = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(tmp_path / "maddrs"),
-                 log=tmp_path / "boot.log")
+    boot, maddr = start_bootstrap(tmp_path)
     workers = []
     try:
-        maddr = wait_for_file(tmp_path / "maddrs", boot)
         for i in range(2):
-            workers.append(spawn(
-                "join", "--initial-peers", maddr, "--host-maddrs", LOOPBACK, "--run-id", "nospof",
-                "--local-steps", "20", "--max-outer-steps", "5", "--num-shards", "2", "--shard-index", str(i),
-                "--target-group-size", "2", "--no-group-policy", "wait", "--threads", "1", "--no-progress",
-                "--report", str(tmp_path / f"w{i}.json"), log=tmp_path / f"w{i}.log",
+            workers.append(start_worker(
+                tmp_path, i, maddr, "nospof", "--local-steps", "20", "--max-outer-steps", "5", "--num-shards", "2",
+                "--shard-index", str(i), "--target-group-size", "2", "--no-group-policy", "wait",
             ))
         deadline = time.monotonic() + 120
         while not all("outer_step=1" in (tmp_path / f"w{i}.log").read_text() for i in range(2)):
@@ -176,33 +182,27 @@ def test_training_survives_the_bootstrap_peer(tmp_path):
             assert report["outer_steps"] == 5
             assert [r["group_size"] for r in report["rounds"]] == [2] * 5, report["rounds"]
     finally:
-        for proc in [boot, *workers]:
-            if proc.poll() is None:
-                proc.kill()
+        stop_all([*workers, boot])
 
 
 def test_newcomer_mid_run_takes_the_state_and_joins_rounds(tmp_path):
-    boot = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(tmp_path / "maddrs"),
-                 log=tmp_path / "boot.log")
+    boot, maddr = start_bootstrap(tmp_path)
     workers = []
 
-    def start_worker(i: int):
-        workers.append(spawn(
-            "join", "--initial-peers", maddr, "--host-maddrs", LOOPBACK, "--run-id", "midrun",
-            "--local-steps", "20", "--num-shards", "3", "--shard-index", str(i), "--matchmaking-time", "3",
-            "--no-group-policy", "wait", "--threads", "1", "--no-progress", "--log-interval", "2",
-            "--report", str(tmp_path / f"w{i}.json"), log=tmp_path / f"w{i}.log",
+    def start(i: int):
+        workers.append(start_worker(
+            tmp_path, i, maddr, "midrun", "--local-steps", "20", "--num-shards", "3", "--shard-index", str(i),
+            "--matchmaking-time", "3", "--no-group-policy", "wait", "--log-interval", "2",
         ))
 
     try:
-        maddr = wait_for_file(tmp_path / "maddrs", boot)
-        start_worker(0)
-        start_worker(1)
+        start(0)
+        start(1)
         deadline = time.monotonic() + 120
         while not all(p["outer_step"] >= 2 for p in status(maddr, "midrun")["peers"] or [{"outer_step": 0}]):
             assert time.monotonic() < deadline and all(w.poll() is None for w in workers)
             time.sleep(1)
-        start_worker(2)
+        start(2)
         wait_for_log(tmp_path / "w2.log", "took the swarm's state", workers[2], timeout_s=90)
         # the newcomer must then average with the others: wait for one of its syncs with a group of 3
         wait_for_log(tmp_path / "w2.log", "sync: group_size=3", workers[2], timeout_s=90)
@@ -224,10 +224,4 @@ def test_newcomer_mid_run_takes_the_state_and_joins_rounds(tmp_path):
         # its first eval is the swarm's model, not a fresh one (ln 256 = 5.55)
         assert abs(new["initial_eval_loss"] - swarm_loss) <= 0.1 * swarm_loss, (new["initial_eval_loss"], swarm_loss)
     finally:
-        for proc in [*workers, boot]:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(timeout=30)
-                except Exception:
-                    proc.kill()
+        stop_all([*workers, boot])
