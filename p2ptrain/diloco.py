@@ -280,7 +280,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 for p, g in zip(self.params, self.global_params):
                     p.copy_(g)  # to the parameter's own device and dtype
                 self.outer_step += 1
-            self._digest = self._global_digest()
+        self._digest = self._global_digest()  # outside the averager's lock: hashing needs none of its buffers
         repaired = result is not None and self._repair_if_diverged(result)
         return self._record(started, result, attempts, repaired=repaired)
 
@@ -350,7 +350,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 logger.debug(f"{self._tag()} averaging attempt {attempts} failed: {e!r}")
             except Exception as e:  # a network failure is a value: log it, never let it kill training
                 logger.warning(f"{self._tag()} averaging attempt {attempts} failed unexpectedly: {e!r}")
-            if self._swarm_outer_step() > self.outer_step:
+            if self.swarm_outer_step() > self.outer_step:
                 return _BEHIND, attempts
             if self.no_group_policy == "apply_local":
                 break
@@ -393,7 +393,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             if not self.averager.client_mode:
                 self.averager.allow_state_sharing = True
 
-    def _swarm_outer_step(self) -> int:
+    def swarm_outer_step(self) -> int:
         """The highest outer step among the run's other live peers (from their progress records), or -1."""
         me = self.dht.peer_id.to_base58()
         steps = [r.outer_step for r in fetch_progress(self.dht, self.run_id, timeout_s=5.0) if r.peer_id != me]

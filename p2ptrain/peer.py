@@ -26,7 +26,7 @@ from p2ptrain.data import ShardedBatches, eval_batches, evaluate, load_corpus, s
 from p2ptrain.diloco import DiLoCoOptimizer
 from p2ptrain.model import build_model, model_config
 from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht, visible_maddrs
-from p2ptrain.swarm.progress import ProgressPublisher, fetch_progress
+from p2ptrain.swarm.progress import ProgressPublisher
 from p2ptrain.swarm.shards import claim_shard
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ class Worker:
                 opt.interrupt()
             if resumed is not None:
                 self._restore(resumed, model, opt, batches)
-            self._catch_up(dht, opt)
+            self._catch_up(opt)
             self.report.initial_eval_loss = self._evaluate(model, held_out, device)
             logger.info(
                 f"[{peer_id}] model {train_cfg.model} ({self.report.num_parameters:,} parameters) on {device}, "
@@ -180,13 +180,13 @@ class Worker:
                 Path(self.report_path).write_text(json.dumps(self.report.to_dict(), indent=2))
         return self.report
 
-    def _catch_up(self, dht, opt: DiLoCoOptimizer) -> None:
+    def _catch_up(self, opt: DiLoCoOptimizer) -> None:
         """A peer that starts behind the swarm (joining mid-run, resuming late) takes the state from live peers
         first, so it never averages a pseudo-gradient computed from stale parameters."""
-        ahead = [r.outer_step for r in fetch_progress(dht, self.config.run_id) if r.peer_id != self.report.peer_id]
-        if not ahead or max(ahead) <= opt.outer_step:
+        swarm_outer_step = opt.swarm_outer_step()
+        if swarm_outer_step <= opt.outer_step:
             return
-        logger.info(f"[{self.report.peer_id}] the swarm is at outer step {max(ahead)}, this peer at "
+        logger.info(f"[{self.report.peer_id}] the swarm is at outer step {swarm_outer_step}, this peer at "
                     f"{opt.outer_step}: taking the state from live peers")
         started = time.monotonic()
         if opt.load_state_from_peers(timeout_s=self.config.diloco.averaging_timeout_s):
