@@ -251,7 +251,7 @@ def bootstrap(ctx: click.Context, maddrs_file: Optional[str], config_path: Optio
 @click.option("--config", "config_path", type=click.Path(), envvar="P2PTRAIN_CONFIG", show_envvar=True,
               help="TOML config file; flags and P2PTRAIN_* variables override it.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), envvar="P2PTRAIN_REPORT",
-              show_envvar=True, help="Write a JSON report (losses, every sync) here on exit.")
+              show_envvar=True, help="Write a JSON report (losses, every sync) here after every sync and at exit.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
 @click.option("--resume", is_flag=True, help="Continue from the checkpoint in --checkpoint-dir.")
 @click.pass_context
@@ -273,9 +273,11 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
         report = worker.run()
     except (CheckpointError, ConfigError, DataError, SwarmError) as e:
         raise BadInput(str(e)) from None
+    losses = (f"eval loss {report.initial_eval_loss:.4f} -> {report.final_eval_loss:.4f}" if report.rounds
+              else f"eval loss {report.initial_eval_loss:.4f}, no round committed")
     logger.info(
         f"[{report.peer_id}] left after {report.outer_steps} outer steps ({report.stopped_by or 'data exhausted'}); "
-        f"eval loss {report.initial_eval_loss:.4f} -> {report.final_eval_loss:.4f}"
+        + losses
     )
 
 

@@ -27,12 +27,14 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
 
 from p2ptrain.averaging import PseudoGradientAverager, RoundResult
+from p2ptrain.averaging.state_transfer import flatten_state, unflatten_state
 from p2ptrain.swarm.progress import ProgressPublisher, fetch_progress
 
 logger = logging.getLogger(__name__)
 
 NO_GROUP_POLICIES = ("apply_local", "wait")
 _BEHIND = object()  # _average's answer when the swarm is at a later outer step than this peer
+MAX_INCOMPLETE_RETRIES = 2  # re-runs of a round that a member's failure left incomplete, under any policy
 
 
 @dataclass
@@ -61,9 +63,31 @@ class SyncRecord:
     """True when the peer was behind the swarm and took the state from live peers instead of averaging"""
     repaired: bool = False
     """True when the group's digests showed this peer's global parameters differed and it took the state anew"""
+    abandoned: bool = False
+    """True when the peer was leaving and no group formed: no outer step was taken (``outer_step`` unchanged)"""
+    digest: str = ""
+    """digest of the global parameters after this sync: equal on every peer that committed the same round"""
+    finished_at: float = 0.0
+    """wall-clock time (time.time()) when the sync ended"""
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
+
+
+@dataclass
+class _SnapshotRequest:
+    """A donor snapshot asked for by the state-serving thread, to be copied by whichever thread comes first."""
+
+    staging: torch.Tensor
+    done: threading.Event = field(default_factory=threading.Event)
+    metadata: Optional[dict] = None
+
+
+def _digest_of(tensors: Iterable[torch.Tensor]) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        digest.update(t.detach().contiguous().numpy())
+    return digest.hexdigest()
 
 
 class DiLoCoOptimizer(torch.optim.Optimizer):
@@ -143,6 +167,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.batch_size = batch_size
         self.local_step = 0
         self.outer_step = 0
+        self._committed_local_step = 0  # local step at which the last outer step was taken
+        self._donor_in_round = False  # the last downloaded state came from peers in the middle of a round
         self.samples_since_sync = 0
         self.history: List[SyncRecord] = []
         self._closed = threading.Event()
@@ -172,6 +198,13 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         )
         self._digest = self._global_digest()
         self.averager.state_provider = self._shareable_state
+        self.averager.set_host_outer_step(0)
+        self._staging: Optional[torch.Tensor] = None  # shared-memory buffer the state is copied into for donors
+        self._snapshot_request: Optional[_SnapshotRequest] = None
+        self.last_donor_pause_s: Optional[float] = None
+        """how long serving the last snapshot to newcomers held up this peer's training (the state lock)"""
+        self.last_download: Optional[dict] = None
+        """how the last state download went: seconds, bytes, chunks per donor, donors that failed"""
         try:
             self.averager.start_in_background(timeout_s=averager_start_timeout_s)
         except Exception as e:
@@ -195,6 +228,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         with self._state_lock:
             loss = self.inner_optimizer.step(closure)
             self.local_step += 1
+        self._serve_snapshot_request()  # a donor snapshot asked for since the last step: copy it now, on this core
         samples = batch_size if batch_size is not None else (self.batch_size or 1)
         self.samples_since_sync += samples
         self._throughput_samples += samples
@@ -226,6 +260,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._digest = self._global_digest()
         self.local_step = state_dict["local_step"]
         self.outer_step = state_dict["outer_step"]
+        self._committed_local_step = self.local_step
+        self.averager.set_host_outer_step(self.outer_step)
         self.samples_since_sync = state_dict["samples_since_sync"]
 
     # ------------------------------------------------------------------------------------------------- the sync
@@ -241,6 +277,13 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def _sync(self) -> SyncRecord:
         started = time.perf_counter()
         self._update_throughput()
+        if self.swarm_outer_step() > self.outer_step:
+            # behind already (paused, or a round went on without us): matchmaking at this outer step is doomed
+            logger.warning(f"{self._tag()} the swarm has moved past outer step {self.outer_step}; discarding this "
+                           "peer's stale pseudo-gradient and taking the state from live peers")
+            record = self._catch_up_and_join(started, attempts=0)
+            if record is not None:
+                return record
         diverged = False
         with self.averager.get_tensors() as buffers:
             for buffer, g, p in zip(buffers, self.global_params, self.params):
@@ -262,27 +305,70 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 f"{self._tag()} the swarm has moved past outer step {self.outer_step}; discarding this peer's "
                 "stale pseudo-gradient and taking the state from live peers"
             )
-            if self.load_state_from_peers(timeout_s=self.averaging_timeout_s):
-                return self._record(started, None, attempts, caught_up=True)
+            record = self._catch_up_and_join(started, attempts)
+            if record is not None:
+                return record
             result = None  # nobody could give us the state: fall back to the no-group policy
-        with self.averager.get_tensors() as buffers:
-            if result is None:  # the buffers still hold our own pseudo-gradient: a failed round never writes them
-                logger.warning(
-                    f"{self._tag()} no group formed within {self.matchmaking_time_s:.1f}s; "
-                    "applying this peer's own pseudo-gradient (no_group_policy=apply_local)"
-                )
-            with self._state_lock:
-                for g, buffer in zip(self.global_params, buffers):
-                    g.grad = buffer
-                self.outer_optimizer.step()
-                for g in self.global_params:
-                    g.grad = None
-                for p, g in zip(self.params, self.global_params):
-                    p.copy_(g)  # to the parameter's own device and dtype
-                self.outer_step += 1
+        if result is None and self._interrupted.is_set():
+            # leaving: commit nothing the swarm did not. The local progress stays in the model's parameters (and in
+            # a checkpoint, with the global ones), so a resumed peer takes this round up again.
+            logger.warning(f"{self._tag()} leaving: abandoning this round without an outer step")
+            return self._record(started, None, attempts, abandoned=True)
+        if result is None:  # the buffers still hold our own pseudo-gradient: a failed round never writes them
+            logger.warning(
+                f"{self._tag()} no group formed within {self.matchmaking_time_s:.1f}s; "
+                "applying this peer's own pseudo-gradient (no_group_policy=apply_local)"
+            )
+        return self._apply(started, result, attempts)
+
+    @torch.no_grad()
+    def _apply(self, started: float, result: Optional[RoundResult], attempts: int, **flags) -> SyncRecord:
+        """The outer step with what the buffers hold (the group's average, or our own pseudo-gradient)."""
+        with self.averager.get_tensors() as buffers, self._state_lock:
+            for g, buffer in zip(self.global_params, buffers):
+                g.grad = buffer
+            self.outer_optimizer.step()
+            for g in self.global_params:
+                g.grad = None
+            for p, g in zip(self.params, self.global_params):
+                p.copy_(g)  # to the parameter's own device and dtype
+            self.outer_step += 1
+            self._committed_local_step = self.local_step
         self._digest = self._global_digest()  # outside the averager's lock: hashing needs none of its buffers
+        self.averager.set_host_outer_step(self.outer_step)
         repaired = result is not None and self._repair_if_diverged(result)
-        return self._record(started, result, attempts, repaired=repaired)
+        return self._record(started, result, attempts, repaired=repaired, **flags)
+
+    def catch_up(self) -> bool:
+        """Take the swarm's state from live peers now (e.g. when joining a run in progress); if the donors were in
+        the middle of a round, take part in it (with weight 0) so this peer leaves it in step with them. Returns
+        False if no peer gave a usable state."""
+        with self._sync_lock:
+            return self._catch_up_and_join(time.perf_counter(), attempts=0) is not None
+
+    def _catch_up_and_join(self, started: float, attempts: int) -> Optional[SyncRecord]:
+        if not self.load_state_from_peers(timeout_s=self.averaging_timeout_s):
+            return None
+        if self._donor_in_round:
+            # The donors' state is from before the round they are running now. Without joining it, this peer (now
+            # in phase with them) would sync exactly when they do next time, find them one step ahead, download
+            # again while they average, and stay one round behind for good.
+            joined = self._join_round_in_progress(started)
+            if joined is not None:
+                return joined
+        return self._record(started, None, attempts, caught_up=True)
+
+    def _join_round_in_progress(self, started: float) -> Optional[SyncRecord]:
+        """One attempt to join the round the swarm is running, with zeros and weight 0: this peer adds nothing to
+        the average and commits the same outer step as the others. None (nothing applied) if it was too late."""
+        with self.averager.get_tensors() as buffers:
+            for buffer in buffers:
+                buffer.zero_()
+        result, attempts = self._average(weight=0.0, single_attempt=True)
+        if not isinstance(result, RoundResult):
+            logger.info(f"{self._tag()} too late to join the swarm's round in progress; syncing at the next one")
+            return None
+        return self._apply(started, result, attempts, caught_up=True)
 
     def _record(
         self,
@@ -291,6 +377,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         attempts: int,
         caught_up: bool = False,
         repaired: bool = False,
+        abandoned: bool = False,
     ) -> SyncRecord:
         record = SyncRecord(
             outer_step=self.outer_step,
@@ -305,9 +392,13 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             group_outer_steps=sorted(m.get("outer_step", -1) for m in result.gathered.values()) if result else [],
             caught_up=caught_up,
             repaired=repaired,
+            abandoned=abandoned,
+            digest=self._digest,
+            finished_at=time.time(),
         )
         self.history.append(record)
-        self.samples_since_sync = 0
+        if not abandoned:  # an abandoned round's samples are still in the model, to be synced later
+            self.samples_since_sync = 0
         if result and result.failed_fraction > 0:
             logger.warning(f"{self._tag()} {result.failed_fraction:.1%} of the vector was not averaged (peer failure)")
         if result and len(set(record.group_outer_steps)) > 1:
@@ -319,11 +410,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._publish_progress(force=True)
         return record
 
-    def _average(self, weight: float) -> tuple[Optional[RoundResult], int]:
+    def _average(self, weight: float, single_attempt: bool = False) -> tuple[Optional[RoundResult], int]:
         """Run averaging rounds under the no-group policy; None if this peer must go on alone."""
-        attempts = 0
+        attempts, incomplete_retries = 0, 0
         while not self._interrupted.is_set():
             attempts += 1
+            incomplete_before = self.averager.incomplete_rounds
             if not self.averager.is_alive():
                 logger.error(f"{self._tag()} the averager process is gone; this peer can no longer average")
                 break
@@ -350,8 +442,22 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 logger.debug(f"{self._tag()} averaging attempt {attempts} failed: {e!r}")
             except Exception as e:  # a network failure is a value: log it, never let it kill training
                 logger.warning(f"{self._tag()} averaging attempt {attempts} failed unexpectedly: {e!r}")
+            if single_attempt:
+                break
+            incomplete = self.averager.incomplete_rounds != incomplete_before
+            if incomplete:
+                # a member died mid-round: nothing was applied here. Members that got every part may have committed
+                # the round; give them a moment to say so (then we take their state), else run it again with the
+                # survivors. Never fall back to our own pseudo-gradient here: the survivors would each apply a
+                # different one.
+                time.sleep(1.0)
             if self.swarm_outer_step() > self.outer_step:
                 return _BEHIND, attempts
+            if incomplete and incomplete_retries < MAX_INCOMPLETE_RETRIES:
+                incomplete_retries += 1
+                logger.warning(f"{self._tag()} a group member failed mid-round; running the round again with the "
+                               f"survivors (retry {incomplete_retries}/{MAX_INCOMPLETE_RETRIES})")
+                continue
             if self.no_group_policy == "apply_local":
                 break
             logger.warning(
@@ -361,10 +467,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def _global_digest(self) -> str:
         """A digest of the exact bits of the global parameters: equal on every peer after every committed round."""
-        digest = hashlib.blake2b(digest_size=16)
-        for g in self.global_params:
-            digest.update(g.detach().numpy())
-        return digest.hexdigest()
+        return _digest_of(self.global_params)
 
     def _repair_if_diverged(self, result: RoundResult) -> bool:
         """Compare the digests the group's members started the round from. If they differ (a peer missed part of an
@@ -403,45 +506,92 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def _shareable_state(self) -> tuple:
         """What a newcomer downloads from this peer (called in this process by hivemind's state-serving thread):
-        metadata (counters, which optimizer states follow) and tensors (global params, outer momentum, inner state).
-        The copies are taken under the state lock, so the donor pauses for one memory copy, not for the transfer."""
+        metadata (counters, shapes, the inner optimizer's layout) and the state as one flat float32 vector (global
+        params, outer momentum, inner state tensors) in a shared-memory staging buffer kept between snapshots.
+
+        The copy into the buffer is made by the training thread itself at its next inner step (``step()`` calls
+        ``_serve_snapshot_request``), so training pauses for one warm memory copy on its own core, never waiting
+        for a busier thread; if no step comes within a second (the trainer is in a sync, or idle), this thread
+        copies under the state lock. The averager process copies the buffer before it asks for the next one."""
+        for _ in range(3):  # the layout can change between the two looks (e.g. the inner optimizer's first step)
+            with self._state_lock:
+                size = sum(t.numel() for t in self._state_layout()[0])
+            if self._staging is None or self._staging.numel() != size:
+                # allocated and touched outside the lock: the page faults are not the trainer's problem
+                self._staging = torch.zeros(size, dtype=torch.float32).share_memory_()
+            request = _SnapshotRequest(self._staging)
+            self._snapshot_request = request
+            if not request.done.wait(timeout=1.0):
+                self._serve_snapshot_request()
+            self._snapshot_request = None
+            if request.metadata is not None:
+                return request.metadata, [self._staging], None
+        raise RuntimeError("the optimizer's state kept changing shape while a snapshot was taken")
+
+    def _serve_snapshot_request(self) -> None:
+        """Copy the state into the staging buffer if a donor snapshot was asked for (any thread)."""
+        request = self._snapshot_request
+        if request is None or request.done.is_set():
+            return
         with self._state_lock:
-            tensors = [g.detach().clone() for g in self.global_params]
-            momentum = [self.outer_optimizer.state.get(g, {}).get("momentum_buffer") for g in self.global_params]
-            has_momentum = all(m is not None for m in momentum)
-            if has_momentum:
-                tensors += [m.clone() for m in momentum]
-            inner = []
-            for p in self.params:
-                state = self.inner_optimizer.state.get(p, {})
-                names = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0)
-                numbers = (int, float, torch.Tensor)
-                scalars = {k: float(v) for k, v in state.items() if k not in names and isinstance(v, numbers)}
-                tensors += [state[name].detach().to("cpu", copy=True) for name in names]
-                inner.append({"tensors": names, "scalars": scalars})
-            metadata = {
-                "outer_step": self.outer_step,
-                "local_step": self.local_step,
-                "has_momentum": has_momentum,
-                "inner": inner,
-                "lrs": [group["lr"] for group in self.param_groups],
-            }
-        return metadata, tensors, None
+            if request.done.is_set():
+                return
+            started = time.perf_counter()
+            tensors, metadata = self._state_layout()
+            if sum(t.numel() for t in tensors) == request.staging.numel():
+                flatten_state(tensors, out=request.staging)
+                request.metadata = metadata
+            self.last_donor_pause_s = time.perf_counter() - started
+            request.done.set()
+
+    def _state_layout(self) -> tuple:
+        """The tensors a newcomer needs, in order, and the metadata that describes them. Call under the lock."""
+        tensors = list(self.global_params)
+        momentum = [self.outer_optimizer.state.get(g, {}).get("momentum_buffer") for g in self.global_params]
+        has_momentum = all(m is not None for m in momentum)
+        if has_momentum:
+            tensors += momentum
+        inner = []
+        for p in self.params:
+            state = self.inner_optimizer.state.get(p, {})
+            names = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0)
+            numbers = (int, float, torch.Tensor)
+            scalars = {k: float(v) for k, v in state.items() if k not in names and isinstance(v, numbers)}
+            tensors += [state[name] for name in names]
+            inner.append({"tensors": names, "scalars": scalars})
+        metadata = {
+            "outer_step": self.outer_step,
+            "local_step": self.local_step,
+            # at a sync point but not yet past it: this peer is in a round right now
+            "in_round": self.local_step % self.local_steps == 0 and self._committed_local_step != self.local_step,
+            "digest": self._digest,
+            "has_momentum": has_momentum,
+            "inner": inner,
+            "lrs": [group["lr"] for group in self.param_groups],
+            "shapes": [list(t.shape) for t in tensors],
+        }
+        return tensors, metadata
 
     def load_state_from_peers(self, timeout_s: float = 120.0) -> bool:
-        """Take the swarm's state from a live peer: global parameters, outer momentum, inner optimizer state, LR and
-        step counters; the model's parameters become the global ones. Returns False (and logs why) if no peer gave
-        a usable state; the peer then keeps its own."""
+        """Take the swarm's state from live peers: global parameters, outer momentum, inner optimizer state, LR and
+        step counters; the model's parameters become the global ones. The state comes in chunks from every donor at
+        the swarm's latest outer step (``averaging/state_transfer.py``). Returns False (and logs why) if no peer
+        gave a usable state; the peer then keeps its own."""
         started = time.perf_counter()
         try:
-            downloaded = self.averager.load_state_from_peers(timeout=timeout_s)
+            downloaded = self.averager.download_state(timeout_s=timeout_s)
         except Exception as e:
             downloaded = None
             logger.warning(f"{self._tag()} downloading the state from peers failed: {e!r}")
         if downloaded is None:
             logger.warning(f"{self._tag()} no live peer shared its state; keeping this peer's own")
             return False
-        metadata, tensors = downloaded
+        metadata = downloaded.metadata
+        try:
+            tensors = unflatten_state(downloaded.flat, metadata["shapes"])
+        except (KeyError, TypeError, ValueError) as e:
+            logger.warning(f"{self._tag()} ignoring a downloaded state: malformed layout ({e!r})")
+            return False
         problem = self._check_downloaded_state(metadata, tensors)
         if problem:
             logger.warning(f"{self._tag()} ignoring a downloaded state: {problem}")
@@ -456,7 +606,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                     self.outer_optimizer.state[g]["momentum_buffer"] = m.clone()
                 rest = rest[n:]
             for p, spec in zip(self.params, metadata["inner"]):
-                state = {name: rest[i].to(p.device) for i, name in enumerate(spec["tensors"])}
+                # clones: the flat download buffer is freed once loaded
+                state = {name: rest[i].to(p.device, p.dtype, copy=True) for i, name in enumerate(spec["tensors"])}
                 rest = rest[len(spec["tensors"]):]
                 state.update({k: torch.tensor(v, dtype=torch.float32) for k, v in spec["scalars"].items()})
                 self.inner_optimizer.state[p] = state
@@ -467,11 +618,21 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self.outer_step = int(metadata["outer_step"])
             # the donor's local step puts this peer's next sync in phase with the swarm's
             self.local_step = int(metadata["local_step"])
+            self._donor_in_round = bool(metadata.get("in_round", False))
+            self._committed_local_step = -1 if self._donor_in_round else self.local_step
             self.samples_since_sync = 0
             self._digest = self._global_digest()
+        self.averager.set_host_outer_step(self.outer_step)
+        self.last_download = {
+            "seconds": time.perf_counter() - started,
+            "bytes": downloaded.num_bytes,
+            "chunks_by_donor": downloaded.chunks_by_donor,
+            "failed_donors": downloaded.failed_donors,
+        }
         logger.info(
-            f"{self._tag()} took the swarm's state (outer step {self.outer_step}) in "
-            f"{time.perf_counter() - started:.2f}s"
+            f"{self._tag()} took the swarm's state (outer step {self.outer_step}, {downloaded.num_bytes / 2**20:.1f} "
+            f"MiB) in {self.last_download['seconds']:.2f}s from {len(downloaded.chunks_by_donor)} donor(s)"
+            + (f"; resumed past {len(downloaded.failed_donors)} failed donor(s)" if downloaded.failed_donors else "")
         )
         return True
 
@@ -493,6 +654,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 return "it contains NaN or infinite values"
             if int(metadata["outer_step"]) < 0 or int(metadata["local_step"]) < 0:
                 return "negative step counters"
+            if _digest_of(tensors[:n]) != metadata["digest"]:
+                return "its global parameters do not match the digest the donors announced"
         except (KeyError, TypeError, ValueError) as e:
             return f"malformed metadata ({e!r})"
         return ""

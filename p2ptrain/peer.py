@@ -47,8 +47,16 @@ class WorkerReport:
     final_eval_loss: float = float("nan")
     wall_s: float = 0.0
     samples: int = 0
+    maddrs: List[str] = field(default_factory=list)
+    """addresses other peers can join through"""
     state_download_s: Optional[float] = None
     """seconds spent taking the swarm's state from live peers at start (None: not needed)"""
+    state_download: Optional[Dict[str, Any]] = None
+    """how that download went: bytes, chunks per donor, donors that failed part way"""
+    first_loss: Optional[float] = None
+    """training loss of this peer's first inner step (after any state download)"""
+    startup_s: Optional[float] = None
+    """seconds from start to the first inner step: joining the DHT, building the model, taking the state"""
     stopped_by: str = ""
     """"max_outer_steps" or "signal" """
     rounds: List[Dict[str, Any]] = field(default_factory=list)
@@ -94,6 +102,7 @@ class Worker:
 
     def run(self) -> WorkerReport:
         cfg, started = self.config, time.monotonic()
+        self._started = started
         train_cfg, diloco_cfg = cfg.train, cfg.diloco
         if train_cfg.threads:
             torch.set_num_threads(train_cfg.threads)
@@ -108,8 +117,10 @@ class Worker:
             peer_id = dht.peer_id.to_base58()
             self.report.peer_id = peer_id
             logger.info(f"[{peer_id}] joined run {cfg.run_id!r}; other peers can join through:")
-            for maddr in visible_maddrs(dht):
+            self.report.maddrs = [str(maddr) for maddr in visible_maddrs(dht)]
+            for maddr in self.report.maddrs:
                 logger.info(f"[{peer_id}]   {maddr}")
+            self._write_report()
             logger.info(f"[{peer_id}] effective config: {json.dumps(cfg.to_dict(), sort_keys=True)}")
 
             publisher = ProgressPublisher(dht, cfg.run_id)
@@ -176,9 +187,20 @@ class Worker:
                 opt.close()
             stop_dht(dht)
             self.report.wall_s = time.monotonic() - started
-            if self.report_path:
-                Path(self.report_path).write_text(json.dumps(self.report.to_dict(), indent=2))
+            self._write_report()
         return self.report
+
+    def _write_report(self) -> None:
+        """Write the report atomically (after start-up, after every sync, at exit), so it can be watched."""
+        if not self.report_path:
+            return
+        path = Path(self.report_path)
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps(self.report.to_dict(), indent=2))
+            tmp.replace(path)
+        except OSError as e:  # a report is not worth stopping training for
+            logger.error(f"[{self.report.peer_id}] could not write the report {path}: {e}")
 
     def _catch_up(self, opt: DiLoCoOptimizer) -> None:
         """A peer that starts behind the swarm (joining mid-run, resuming late) takes the state from live peers
@@ -189,10 +211,11 @@ class Worker:
         logger.info(f"[{self.report.peer_id}] the swarm is at outer step {swarm_outer_step}, this peer at "
                     f"{opt.outer_step}: taking the state from live peers")
         started = time.monotonic()
-        if opt.load_state_from_peers(timeout_s=self.config.diloco.averaging_timeout_s):
+        if opt.catch_up():
             self.report.outer_steps = opt.outer_step
             self.report.local_steps = opt.local_step
             self.report.state_download_s = time.monotonic() - started
+            self.report.state_download = opt.last_download
         else:
             logger.warning(f"[{self.report.peer_id}] could not take the state from peers; training from its own, "
                            "which is behind the swarm")
@@ -267,6 +290,8 @@ class Worker:
                 if self._stop.is_set():
                     self.report.stopped_by = "signal"
                     break
+                if self.report.startup_s is None:
+                    self.report.startup_s = time.monotonic() - self._started
                 with self._autocast(device):
                     _, loss = model(x.to(device), y.to(device))
                 loss.backward()
@@ -274,6 +299,8 @@ class Worker:
                 opt.step()
                 opt.zero_grad()
                 loss_value = loss.item()
+                if self.report.first_loss is None:
+                    self.report.first_loss = loss_value
                 self.report.local_steps = opt.local_step
                 self.report.samples += x.shape[0]
                 bar.update(1)
@@ -287,6 +314,7 @@ class Worker:
                     self.report.rounds.append(record)
                     self.report.outer_steps = opt.outer_step
                     self.report.final_eval_loss = record["eval_loss"]
+                    self._write_report()
                     model.train()
                 if time.monotonic() - last_log >= cfg.log_interval_s or opt.outer_step != synced_before:
                     self._log_line(opt, loss_value)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List
+from typing import Dict, List, Optional
 
 import psutil
 
@@ -22,10 +22,10 @@ def p2ptrain(*args: str, **kwargs) -> subprocess.CompletedProcess:
                           env=dict(os.environ, PYTHONUNBUFFERED="1"), **kwargs)
 
 
-def spawn(*args: str, log: Path) -> subprocess.Popen:
-    """Start ``p2ptrain ARGS`` in the background with stdout and stderr going to ``log``."""
+def spawn(*args: str, log: Path, env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
+    """Start ``p2ptrain ARGS`` in the background with stdout and stderr going to ``log``; ``env`` adds variables."""
     return subprocess.Popen([sys.executable, "-m", "p2ptrain", *args], stdout=open(log, "wb"),
-                            stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
 
 
 def wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float = 60) -> str:
@@ -59,10 +59,12 @@ def start_bootstrap(tmp_path: Path, **kwargs) -> tuple:
     return proc, wait_for_file(tmp_path / "maddrs", proc, **kwargs)
 
 
-def start_worker(tmp_path: Path, i: int, maddr: str, run_id: str, *extra: str) -> subprocess.Popen:
+def start_worker(tmp_path: Path, i: int, maddr: str, run_id: str, *extra: str,
+                 env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
     """`p2ptrain join` number ``i`` on loopback: one torch thread, no progress bar, report w{i}.json, log w{i}.log."""
     return spawn("join", "--initial-peers", maddr, "--host-maddrs", LOOPBACK, "--run-id", run_id, "--threads", "1",
-                 "--no-progress", "--report", str(tmp_path / f"w{i}.json"), *extra, log=tmp_path / f"w{i}.log")
+                 "--no-progress", "--report", str(tmp_path / f"w{i}.json"), *extra, log=tmp_path / f"w{i}.log",
+                 env=env)
 
 
 def stop_all(procs: List[subprocess.Popen]) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import AsyncIterator, Dict
+from typing import AsyncIterator, Dict, Optional
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
@@ -29,6 +29,8 @@ from hivemind.p2p import PeerID, StubBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import amap_in_executor
+
+from p2ptrain.faults import kill_this_peer
 
 logger = get_logger(__name__)
 
@@ -40,8 +42,11 @@ class ExactAllReduceRunner(AllReduceRunner):
     values (``failed_size`` in ``tensor_part_container`` counts them).
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, *, die_after_parts: Optional[int] = None, **kwargs):
         super().__init__(**kwargs)
+        # fault injection (p2ptrain.faults): SIGKILL this peer after answering that many averaged parts
+        self._die_after_parts = die_after_parts
+        self._parts_answered = 0
         # outputs are averages, so a failed reducer's parts must fall back to the local values, not to zero deltas
         self.tensor_part_container.return_deltas = False
         self.bytes_sent = 0
@@ -113,6 +118,10 @@ class ExactAllReduceRunner(AllReduceRunner):
                 reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
                 self.bytes_sent += reply.ByteSize()
                 yield reply
+                self._parts_answered += 1
+                if self._die_after_parts is not None and self._parts_answered >= self._die_after_parts:
+                    logger.warning(f"fault injection: dying mid-all-reduce after {self._parts_answered} part(s)")
+                    kill_this_peer()
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(sender)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import multiprocessing as mp
 import signal
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,6 +24,7 @@ from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
 from p2ptrain.averaging.allreduce import ExactAllReduceRunner
 from p2ptrain.averaging.compression import get_compression
+from p2ptrain.averaging.state_transfer import StateTransferMixin
 
 logger = get_logger(__name__)
 
@@ -45,14 +48,18 @@ class RoundResult:
         return asdict(self)
 
 
-class PseudoGradientAverager(DecentralizedAverager):
+class IncompleteRoundError(AllreduceException):
+    """A group formed but the round did not finish on every part (a member died or timed out mid-round)."""
+
+
+class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
     """Averages a fixed set of CPU tensors with the peers that are ready at the same time.
 
     Unlike its hivemind parent, the result is identical on every peer of a group (see ``ExactAllReduceRunner``),
     the tensors are only overwritten when the round succeeded end to end (a failed round leaves them untouched,
     so a retry never averages a half-averaged vector), and ``step`` returns a ``RoundResult``.
     Peers that use a different compression never end up in one group: the compression is part of the schema hash
-    that matchmaking compares.
+    that matchmaking compares. Newcomers take the state in chunks from several donors (``StateTransferMixin``).
     """
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: DHT, *, compression: str, **kwargs):
@@ -60,6 +67,14 @@ class PseudoGradientAverager(DecentralizedAverager):
         super().__init__(averaged_tensors, dht, compression=get_compression(compression), start=False, **kwargs)
         schema = [self.schema_hash.hex(), f"compression={compression}"]
         self.schema_hash = DHTID.generate(source=schema).to_bytes()
+        # rounds in which a group formed but the all-reduce did not complete: the host retries those with the
+        # survivors instead of applying its own pseudo-gradient, so no survivor applies a half-averaged result
+        self._incomplete_rounds = mp.Value(ctypes.c_int64, 0)
+        self._init_state_transfer()
+
+    @property
+    def incomplete_rounds(self) -> int:
+        return int(self._incomplete_rounds.value)
 
     state_provider = None
     """A callable returning (metadata, tensors, infos) that newcomers download; set by DiLoCoOptimizer."""
@@ -89,6 +104,9 @@ class PseudoGradientAverager(DecentralizedAverager):
                 for peer_id, data in zip(group_info.peer_ids, user_gathered_bytes)
             }
             modes = tuple(map(AveragingMode, mode_ids))
+            mine = gathered.get(self.peer_id.to_base58(), {})
+            if self._fault and self._fault.kind == "allreduce" and mine.get("outer_step") == self._fault.outer_step:
+                kwargs["die_after_parts"] = self._fault.count
             download_bandwidths = [
                 bandwidth if mode != AveragingMode.CLIENT else 0.0 for bandwidth, mode in zip(bandwidths, modes)
             ]
@@ -102,8 +120,12 @@ class PseudoGradientAverager(DecentralizedAverager):
             result.gathered = gathered
             return result
         except BaseException as e:
+            with self._incomplete_rounds.get_lock():
+                self._incomplete_rounds.value += 1
             if isinstance(e, Exception):
                 logger.debug(f"All-reduce failed: {e!r}", exc_info=True)
+            if isinstance(e, IncompleteRoundError):
+                raise
             raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
 
     async def _run_allreduce_inplace_(
@@ -128,6 +150,14 @@ class PseudoGradientAverager(DecentralizedAverager):
         else:
             # collect first, write after: a round that fails half-way must leave the local tensors as they were
             averaged = [averaged_tensor async for _, averaged_tensor in azip(as_aiter(*tensors), runner)]
+            failed_size = runner.tensor_part_container.failed_size
+            if failed_size:
+                # a reducer died or timed out: its range holds our own values, which differ from peer to peer.
+                # Applying that would split the survivors; fail the round so that they run it again together.
+                raise IncompleteRoundError(
+                    f"{failed_size} of {runner.tensor_part_container.total_size} values were not averaged "
+                    "(a group member failed mid-round); nothing applied"
+                )
             if not all(torch.isfinite(averaged_tensor).all() for averaged_tensor in averaged):
                 # a reducer averaged a non-finite part of its own in; keep ours rather than take the poison
                 raise AllreduceException("the averaged result has NaN/inf values; keeping the local tensors")

@@ -82,9 +82,12 @@ def test_wait_policy_waits_and_close_releases_it(dht):
         assert not done.wait(timeout=8), "under 'wait' a lone peer must keep looking for a group"
         assert opt.outer_step == 0
     finally:
-        opt.close()  # releases the waiting sync: it applies the local pseudo-gradient and returns
+        opt.close()  # releases the waiting sync: it abandons the round (no outer step) and returns
     thread.join(timeout=30)
-    assert done.is_set() and opt.history[-1].averaged is False and opt.history[-1].attempts >= 2
+    last = opt.history[-1]
+    assert done.is_set() and not last.averaged and last.abandoned and last.attempts >= 2
+    assert opt.outer_step == 0, "a leaving peer must not commit a round the swarm did not"
+    assert opt.samples_since_sync > 0, "the abandoned round's samples stay to be synced later"
 
 
 def test_drop_in_optimizer(dht):

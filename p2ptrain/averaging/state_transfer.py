@@ -1,0 +1,306 @@
+"""Chunked state transfer from several donors at once, resumable when a donor fails part way.
+
+hivemind's ``rpc_download_state`` streams the whole state from one donor: when many peers join at once that
+donor is the choke point, and a donor that dies at 90% means starting over. Here the state is one flat float32
+vector cut into fixed-size chunks:
+
+* **donor** (averager process): ``rpc_state_info`` takes a snapshot of the host's state (one copy, under the host's
+  state lock) and describes it: outer step, digest of the global parameters, size, metadata. ``rpc_state_chunk``
+  answers chunk *i* of that snapshot. The snapshot stays while newcomers fetch it, even if the donor's training
+  moves on meanwhile, and is dropped after ``SNAPSHOT_IDLE_S`` without requests.
+* **newcomer** (averager process): asks every declared donor for its ``StateInfo``, keeps the donors at the
+  highest outer step whose digest is the most common there, and runs one fetcher per donor over a shared queue of
+  missing chunks. A chunk that fails goes back into the queue and its donor is dropped, so the transfer resumes
+  with the others from where it was; if every donor failed, the donors are asked again (new ones may have come)
+  until the deadline. Chunks already received are never fetched twice.
+
+Global parameters and outer momentum are the same bits on every donor at one outer step (the digest makes sure).
+The inner optimizer's moments are each donor's own; chunks of them may come from different donors, which gives
+each parameter element the moments of one of the swarm's peers at the same outer step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import multiprocessing as mp
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Dict, List, Optional
+
+import numpy as np
+import torch
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture, get_logger
+from hivemind.utils.timed_storage import ValueWithExpiration
+
+from p2ptrain.faults import fault_from_env, kill_this_peer
+from p2ptrain.proto import p2ptrain_pb2
+
+logger = get_logger(__name__)
+
+CHUNK_VALUES = 256 * 1024
+"""float32 values per chunk: 1 MiB, well inside libp2p's 2 MiB limit for one unary message"""
+SNAPSHOT_IDLE_S = 60.0
+"""a donor drops its snapshot after this long without a request for it"""
+FETCHES_PER_DONOR = 2
+"""chunk requests in flight per donor: enough to hide one round trip"""
+
+
+@dataclass
+class _Snapshot:
+    outer_step: int
+    digest: str
+    metadata: bytes
+    flat: torch.Tensor
+    used_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class DownloadedState:
+    """What a newcomer's averager hands its host: metadata, the flat vector, and how the transfer went."""
+
+    metadata: dict
+    flat: torch.Tensor
+    outer_step: int
+    digest: str
+    chunks_by_donor: Dict[str, int]
+    failed_donors: List[str]
+    seconds: float
+
+    @property
+    def num_bytes(self) -> int:
+        return self.flat.numel() * 4
+
+
+def flatten_state(tensors: List[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One float32 CPU vector holding every tensor's values, in order (written into ``out`` if given)."""
+    if out is None:
+        out = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32)
+    if tensors:
+        torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors], out=out)
+    return out
+
+
+def unflatten_state(flat: torch.Tensor, shapes: List[List[int]]) -> List[torch.Tensor]:
+    """Cut the flat vector back into tensors of the given shapes; raises ValueError if the sizes disagree."""
+    sizes = [int(np.prod(shape)) for shape in shapes]
+    if sum(sizes) != flat.numel():
+        raise ValueError(f"the state has {flat.numel()} values but its shapes need {sum(sizes)}")
+    return [part.view(shape) for part, shape in zip(torch.split(flat, sizes), shapes)]
+
+
+class StateTransferMixin:
+    """Donor and newcomer sides of the chunked transfer, for a ``DecentralizedAverager`` subclass.
+
+    The host provides the state through hivemind's ``get_current_state`` (metadata must carry ``outer_step``,
+    ``digest`` and ``shapes``); ``download_state`` runs the newcomer side in the averager process.
+    """
+
+    def _init_state_transfer(self) -> None:
+        # called in the host before the averager process is forked
+        self._snapshot: Optional[_Snapshot] = None
+        self._snapshot_lock: Optional[asyncio.Lock] = None
+        self._host_outer_step = mp.Value(ctypes.c_int64, -1)
+        self._chunks_served = 0
+        self._fault = fault_from_env()
+
+    def set_host_outer_step(self, outer_step: int) -> None:
+        """Tell the averager process the host's current outer step: a snapshot of an older one gets replaced."""
+        self._host_outer_step.value = outer_step
+
+    # ------------------------------------------------------------------------------------------------ donor side
+
+    async def rpc_state_info(
+        self, _request: p2ptrain_pb2.StateInfoRequest, _context: P2PContext
+    ) -> p2ptrain_pb2.StateInfo:
+        if not self.allow_state_sharing:
+            return p2ptrain_pb2.StateInfo(available=False)
+        snapshot = await self._current_snapshot()
+        return p2ptrain_pb2.StateInfo(
+            available=True,
+            outer_step=snapshot.outer_step,
+            digest=snapshot.digest,
+            num_values=snapshot.flat.numel(),
+            chunk_values=CHUNK_VALUES,
+            metadata=snapshot.metadata,
+        )
+
+    async def rpc_state_chunk(
+        self, request: p2ptrain_pb2.StateChunkRequest, _context: P2PContext
+    ) -> p2ptrain_pb2.StateChunk:
+        snapshot = self._snapshot
+        if (
+            not self.allow_state_sharing
+            or snapshot is None
+            or (snapshot.outer_step, snapshot.digest) != (request.outer_step, request.digest)
+            or request.index * CHUNK_VALUES >= snapshot.flat.numel()
+        ):
+            return p2ptrain_pb2.StateChunk(available=False)
+        snapshot.used_at = time.monotonic()
+        start = request.index * CHUNK_VALUES
+        values = snapshot.flat[start:start + CHUNK_VALUES].numpy().tobytes()
+        self._chunks_served += 1
+        if self._fault and self._fault.kind == "state" and self._chunks_served > self._fault.count:
+            logger.warning(f"fault injection: dying after serving {self._fault.count} state chunks")
+            kill_this_peer()
+        return p2ptrain_pb2.StateChunk(available=True, values=values)
+
+    async def _current_snapshot(self) -> _Snapshot:
+        if self._snapshot_lock is None:
+            self._snapshot_lock = asyncio.Lock()
+        async with self._snapshot_lock:
+            snapshot = self._snapshot
+            if snapshot is None or snapshot.outer_step != self._host_outer_step.value:
+                metadata, tensors, _ = await self._get_current_state_from_host_process()
+                info = self.serializer.loads(metadata)
+                # the host sends its state flat, in its staging buffer (DiLoCoOptimizer._shareable_state): copy it
+                # before anything else, the host reuses that buffer for the next snapshot
+                (staging,) = tensors
+                flat = await asyncio.get_event_loop().run_in_executor(None, staging.clone)
+                del staging, tensors
+                snapshot = _Snapshot(int(info["outer_step"]), str(info["digest"]), metadata, flat)
+                self._snapshot = snapshot
+                asyncio.create_task(self._drop_snapshot_when_idle(snapshot))
+            snapshot.used_at = time.monotonic()
+            return snapshot
+
+    async def _drop_snapshot_when_idle(self, snapshot: _Snapshot) -> None:
+        while self._snapshot is snapshot:
+            idle_s = time.monotonic() - snapshot.used_at
+            if idle_s >= SNAPSHOT_IDLE_S:
+                self._snapshot = None
+                return
+            await asyncio.sleep(SNAPSHOT_IDLE_S - idle_s)
+
+    async def rpc_download_state(
+        self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """hivemind's one-donor, whole-state stream: not served; p2ptrain peers use the chunked calls above."""
+        return
+        yield  # an async generator that yields nothing: the caller sees an empty stream and moves on
+
+    # --------------------------------------------------------------------------------------------- newcomer side
+
+    def download_state(self, timeout_s: float) -> Optional[DownloadedState]:
+        """Take the state from live donors (host side; blocks). None if no donor could give a complete state."""
+        future = MPFuture()
+        self._outer_pipe.send(("_download_state", [], dict(timeout_s=timeout_s, future=future)))
+        return future.result(timeout=timeout_s + 5.0)
+
+    async def _download_state(self, timeout_s: float, future: MPFuture) -> None:
+        try:
+            future.set_result(await asyncio.wait_for(self._download(time.monotonic() + timeout_s), timeout_s))
+        except Exception as e:
+            logger.warning(f"state download failed: {e!r}")
+            if not future.done():
+                future.set_result(None)
+
+    async def _declared_donors(self) -> List[PeerID]:
+        key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        found = await self.dht.get(key, latest=True, return_future=True)
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        donors = []
+        for subkey, entry in entries.items():
+            if isinstance(entry, ValueWithExpiration) and isinstance(entry.value, (int, float)):
+                try:
+                    peer = PeerID(subkey)
+                except Exception:
+                    continue  # a malformed declaration is not a donor
+                if peer != self.peer_id:
+                    donors.append(peer)
+        random.shuffle(donors)  # simultaneous newcomers start on different donors
+        return donors
+
+    async def _ask_info(self, peer: PeerID) -> Optional[p2ptrain_pb2.StateInfo]:
+        try:
+            stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+            info = await asyncio.wait_for(stub.rpc_state_info(p2ptrain_pb2.StateInfoRequest()),
+                                          timeout=max(self.request_timeout, 10.0))
+        except Exception as e:
+            logger.debug(f"donor {peer} gave no state info: {e!r}")
+            return None
+        if not info.available or info.chunk_values != CHUNK_VALUES or info.num_values == 0:
+            return None
+        return info
+
+    async def _download(self, deadline: float) -> Optional[DownloadedState]:
+        started = time.monotonic()
+        target = None  # (outer_step, digest) being assembled
+        flat: Optional[torch.Tensor] = None
+        metadata: Optional[dict] = None
+        missing: List[int] = []
+        chunks_by_donor: Counter = Counter()
+        failed: List[str] = []  # donors that failed a chunk of the current target: not asked again for it
+        while time.monotonic() < deadline:
+            donors = await self._declared_donors()
+            infos = await asyncio.gather(*(self._ask_info(peer) for peer in donors))
+            answers = [(peer, info) for peer, info in zip(donors, infos) if info is not None]
+            if not answers:
+                if target is None and not donors:
+                    return None  # nobody declares a state: there is nothing to wait for
+                await asyncio.sleep(1.0)
+                continue
+            best_step = max(info.outer_step for _, info in answers)
+            digests = Counter(info.digest for _, info in answers if info.outer_step == best_step)
+            best = (best_step, digests.most_common(1)[0][0])
+            chosen = [(peer, info) for peer, info in answers if (info.outer_step, info.digest) == best]
+            if best != target:  # first round, or the swarm moved on: start over at the newer state
+                target, info = best, chosen[0][1]
+                failed.clear()
+                metadata = self.serializer.loads(info.metadata)
+                flat = torch.empty(info.num_values, dtype=torch.float32)
+                missing = list(range(-(-info.num_values // CHUNK_VALUES)))
+                chunks_by_donor.clear()
+                logger.info(f"downloading the state of outer step {best_step} ({info.num_values * 4 / 2**20:.1f} MiB "
+                            f"in {len(missing)} chunks) from {len(chosen)} donor(s)")
+            chosen = [(peer, info) for peer, info in chosen if str(peer) not in failed]
+            if not chosen:
+                await asyncio.sleep(1.0)
+                continue
+            queue: asyncio.Queue = asyncio.Queue()
+            for index in missing:
+                queue.put_nowait(index)
+            await asyncio.gather(*(
+                self._fetch_chunks(peer, target, flat, queue, chunks_by_donor, failed, deadline)
+                for peer, _ in chosen for _ in range(FETCHES_PER_DONOR)
+            ))
+            missing = sorted(queue.get_nowait() for _ in range(queue.qsize()))
+            if not missing:
+                return DownloadedState(
+                    metadata=metadata, flat=flat, outer_step=target[0], digest=target[1],
+                    chunks_by_donor={str(peer): n for peer, n in chunks_by_donor.items()},
+                    failed_donors=failed, seconds=time.monotonic() - started,
+                )
+            logger.warning(f"{len(missing)} state chunks still missing after every donor failed; asking again")
+        return None
+
+    async def _fetch_chunks(self, peer: PeerID, target: tuple, flat: torch.Tensor, queue: asyncio.Queue,
+                            chunks_by_donor: Counter, failed: List[str], deadline: float) -> None:
+        """One fetcher: take missing chunk indices from the queue and fetch them from ``peer`` until the queue is
+        empty or the donor fails (then the chunk goes back for the other donors' fetchers)."""
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        while not queue.empty() and str(peer) not in failed:
+            index = queue.get_nowait()
+            try:
+                timeout_s = max(1.0, min(max(self.request_timeout, 10.0), deadline - time.monotonic()))
+                chunk = await asyncio.wait_for(
+                    stub.rpc_state_chunk(p2ptrain_pb2.StateChunkRequest(
+                        outer_step=target[0], digest=target[1], index=index)),
+                    timeout=timeout_s,
+                )
+                start = index * CHUNK_VALUES
+                expected = min(CHUNK_VALUES, flat.numel() - start)
+                if not chunk.available or len(chunk.values) != expected * 4:
+                    raise ValueError(f"chunk {index}: {'not available' if not chunk.available else 'wrong size'}")
+                flat[start:start + expected].numpy()[:] = np.frombuffer(chunk.values, dtype=np.float32)
+                chunks_by_donor[peer] += 1
+            except Exception as e:
+                queue.put_nowait(index)
+                if str(peer) not in failed:
+                    failed.append(str(peer))
+                    logger.warning(f"state donor {peer} failed ({e!r}); going on with the other donors")
+                return

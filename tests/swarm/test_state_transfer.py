@@ -1,0 +1,76 @@
+"""State transfer to newcomers: chunks from several donors, resumed past a donor that dies part way.
+
+Real `p2ptrain join` processes on 127.0.0.1: two donors train; two newcomers start at the same moment; one donor
+is told (P2PTRAIN_FAULT) to die after serving two chunks of its state. Both newcomers must finish the transfer
+from the other donor, take the same state, and then average with the swarm on the same parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.helpers import start_bootstrap, start_worker, stop_all
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+
+ARGS = ["--local-steps", "20", "--num-shards", "4", "--matchmaking-time", "2", "--averaging-timeout", "10",
+        "--no-group-policy", "wait", "--log-interval", "2"]
+
+
+def report(tmp_path, i: int) -> dict:
+    path = tmp_path / f"w{i}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def wait_for(condition, what: str, timeout_s: float, procs) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
+        for i, proc in procs.items():
+            assert proc.poll() is None, f"worker {i} exited with {proc.returncode} while waiting for: {what}"
+        time.sleep(0.1)
+
+
+def test_two_simultaneous_newcomers_resume_past_a_dying_donor(tmp_path):
+    boot, maddr = start_bootstrap(tmp_path)
+    procs = {
+        0: start_worker(tmp_path, 0, maddr, "transfer", *ARGS, "--shard-index", "0", "--max-outer-steps", "6"),
+        1: start_worker(tmp_path, 1, maddr, "transfer", *ARGS, "--shard-index", "1", "--max-outer-steps", "6",
+                        env={"P2PTRAIN_FAULT": "kill-mid-state-transfer:2"}),
+    }
+    try:
+        wait_for(lambda: report(tmp_path, 0).get("outer_steps", 0) >= 2, "the donors reach outer step 2", 120, procs)
+        for i in (2, 3):  # at the same moment
+            procs[i] = start_worker(tmp_path, i, maddr, "transfer", *ARGS, "--shard-index", str(i),
+                                    "--max-outer-steps", "6")
+        assert procs[1].wait(timeout=60) < 0, "the faulty donor should have died while serving its state"
+        assert "fault injection: dying after serving 2 state chunks" in (tmp_path / "w1.log").read_text()
+        del procs[1]
+        for i in (0, 2, 3):
+            assert procs[i].wait(timeout=200) == 0, (tmp_path / f"w{i}.log").read_text()[-3000:]
+    finally:
+        stop_all([*procs.values(), boot])
+
+    donor, newcomers = report(tmp_path, 0), [report(tmp_path, i) for i in (2, 3)]
+    dead_donor = report(tmp_path, 1)["peer_id"]
+    served_by_dead = 0
+    for newcomer in newcomers:
+        transfer = newcomer["state_download"]
+        print(f"newcomer {newcomer['peer_id'][-8:]}: {transfer}")
+        assert transfer["bytes"] == 4 * 4 * newcomer["num_parameters"]  # params, momentum, 2 AdamW moments; fp32
+        assert transfer["chunks_by_donor"].get(donor["peer_id"], 0) > 0
+        served_by_dead += transfer["chunks_by_donor"].get(dead_donor, 0)
+    # the dead donor served 2 chunks before dying, so at least one newcomer had to resume past it
+    assert served_by_dead <= 2
+    assert any(dead_donor in n["state_download"]["failed_donors"] for n in newcomers)
+
+    # both newcomers took the same state and then committed the same rounds as the donor
+    by_step = {r["outer_step"]: r["digest"] for r in donor["rounds"]}
+    for newcomer in newcomers:
+        assert newcomer["outer_steps"] == 6 and newcomer["rounds"]
+        assert any(r["averaged"] and r["group_size"] >= 2 for r in newcomer["rounds"])
+        for record in newcomer["rounds"]:
+            assert record["digest"] == by_step[record["outer_step"]], f"newcomer diverged at {record}"
