@@ -27,7 +27,7 @@ from p2ptrain.diloco import DiLoCoOptimizer
 from p2ptrain.model import build_model, model_config
 from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht, visible_maddrs
 from p2ptrain.swarm.progress import ProgressPublisher
-from p2ptrain.swarm.shards import claim_shard
+from p2ptrain.swarm.shards import claim_shard, cursor_state, fetch_cursor, publish_cursor
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,8 @@ class WorkerReport:
     """how that download went: bytes, chunks per donor, donors that failed part way"""
     first_loss: Optional[float] = None
     """training loss of this peer's first inner step (after any state download)"""
+    data_cursor: Optional[Dict[str, Any]] = None
+    """where this peer started in its shard, when it continued from another peer's published cursor"""
     startup_s: Optional[float] = None
     """seconds from start to the first inner step: joining the DHT, building the model, taking the state"""
     stopped_by: str = ""
@@ -112,6 +114,7 @@ class Worker:
         resumed = self._load_resume_state() if self.resume else None
 
         dht = start_dht(cfg.swarm)
+        self._dht = dht
         opt: Optional[DiLoCoOptimizer] = None
         try:
             peer_id = dht.peer_id.to_base58()
@@ -173,6 +176,7 @@ class Worker:
             if resumed is not None:
                 self._restore(resumed, model, opt, batches)
             self._catch_up(opt)
+            self._continue_shard(dht, opt, batches)
             self.report.initial_eval_loss = self._evaluate(model, held_out, device)
             logger.info(
                 f"[{peer_id}] model {train_cfg.model} ({self.report.num_parameters:,} parameters) on {device}, "
@@ -219,6 +223,28 @@ class Worker:
         else:
             logger.warning(f"[{self.report.peer_id}] could not take the state from peers; training from its own, "
                            "which is behind the swarm")
+
+    def _continue_shard(self, dht, opt: DiLoCoOptimizer, batches: ShardedBatches) -> None:
+        """Continue this shard where the swarm's training of it got to, if that is ahead of us: its previous owner
+        left or died (or we resumed from an older checkpoint). Cursors from a later outer step than ours are from an
+        earlier run under the same run id, and are ignored."""
+        cursor = fetch_cursor(dht, self.config.run_id, batches.shard_index)
+        if cursor is None or (cursor.epoch, cursor.position) <= (batches.epoch, batches.position):
+            return
+        peer = self.report.peer_id
+        if cursor.outer_step > opt.outer_step:
+            logger.warning(f"[{peer}] ignoring the data cursor of shard {batches.shard_index} from outer step "
+                           f"{cursor.outer_step}: this run is at {opt.outer_step} (an earlier run with this run id?)")
+            return
+        try:
+            batches.load_state_dict(cursor_state(cursor))
+        except ValueError as e:
+            logger.warning(f"[{peer}] ignoring the data cursor of shard {batches.shard_index}: {e}")
+            return
+        self.report.data_cursor = {"from_peer": cursor.peer_id, "outer_step": cursor.outer_step,
+                                   "epoch": cursor.epoch, "position": cursor.position}
+        logger.info(f"[{peer}] continuing shard {batches.shard_index} at epoch {cursor.epoch}, sample "
+                    f"{cursor.position}, where {cursor.peer_id[-8:]} left it at outer step {cursor.outer_step}")
 
     # ------------------------------------------------------------------------------------------- checkpoints
 
@@ -309,7 +335,10 @@ class Worker:
                 if opt.outer_step != synced_before and opt.outer_step % cfg.checkpoint_every == 0:
                     self._save_checkpoint(f"outer step {opt.outer_step}")
                 if opt.outer_step != synced_before:
+                    data_state = batches.state_dict()
+                    publish_cursor(self._dht, self.config.run_id, data_state, opt.outer_step)
                     record = opt.history[-1].to_dict()
+                    record["data_position"] = [data_state["epoch"], data_state["position"]]
                     record["eval_loss"] = self._evaluate(model, held_out, device)
                     self.report.rounds.append(record)
                     self.report.outer_steps = opt.outer_step

@@ -6,7 +6,8 @@ One run of a bootstrap peer and three workers (then a newcomer) goes through, in
    answered one of its senders (``P2PTRAIN_FAULT``, see p2ptrain/faults.py): so one survivor holds its average
    and the other does not;
 2. the bootstrap peer is killed with SIGKILL;
-3. a newcomer joins through a live worker's address and takes the state;
+3. a newcomer joins through a live worker's address, takes the state and continues the dead worker's data shard
+   where it was at its last committed round;
 4. worker 1 is stopped (SIGSTOP, whole tree) for longer than a round, then continued (SIGCONT);
 5. the newcomer leaves on SIGTERM.
 
@@ -128,13 +129,18 @@ def test_chaos_swarm(tmp_path):
         assert_commits_after(tmp_path, live, "the bootstrap peer died", boot_killed_at)
 
         # 3. a newcomer joins through worker 0's address and takes the state
+        # it takes over the dead worker's shard (2), so it must continue that shard where worker 2 left it
         procs[3] = start_worker(tmp_path, 3, report(tmp_path, 0)["maddrs"][0], "chaos",
-                                *swarm_args(3, max_outer_steps=1000), "--checkpoint-dir", str(newcomer_ckpt))
+                                *swarm_args(2, max_outer_steps=1000), "--checkpoint-dir", str(newcomer_ckpt))
         live[3] = procs[3]
         wait_until(lambda: report(tmp_path, 3).get("rounds"), "the newcomer commits a round", 90,
                    procs=list(live.items()))
         newcomer = report(tmp_path, 3)
         assert newcomer["state_download"] and newcomer["state_download_s"] is not None, newcomer
+        dead = report(tmp_path, 2)
+        assert newcomer["data_cursor"]["from_peer"] == dead["peer_id"], newcomer["data_cursor"]
+        assert [newcomer["data_cursor"]["epoch"], newcomer["data_cursor"]["position"]] == \
+            dead["rounds"][-1]["data_position"], "the newcomer did not continue the shard where its owner left it"
         start_step = newcomer["rounds"][0]["outer_step"] - 1
         swarm_eval = {r["outer_step"]: r["eval_loss"] for r in report(tmp_path, 0)["rounds"]}[start_step]
         print(f"newcomer: state of outer step {start_step} in {newcomer['state_download_s']:.2f}s, "
