@@ -4,10 +4,13 @@ hivemind's ``rpc_download_state`` streams the whole state from one donor: when m
 donor is the choke point, and a donor that dies at 90% means starting over. Here the state is one flat float32
 vector cut into fixed-size chunks:
 
-* **donor** (averager process): ``rpc_state_info`` takes a snapshot of the host's state (one copy, under the host's
-  state lock) and describes it: outer step, digest of the global parameters, size, metadata. ``rpc_state_chunk``
-  answers chunk *i* of that snapshot. The snapshot stays while newcomers fetch it, even if the donor's training
-  moves on meanwhile, and is dropped after ``SNAPSHOT_IDLE_S`` without requests.
+* **donor** (averager process): ``rpc_state_info`` takes a snapshot of the host's state (one copy, made by the
+  host's training thread) unless it has one of the current outer step younger than ``SNAPSHOT_REFRESH_S``, and
+  describes it: outer step, digest of the global parameters, size, metadata. ``rpc_state_chunk`` answers chunk *i*
+  of the current snapshot if it has the outer step and digest asked for. A snapshot stays while newcomers fetch it,
+  even if the donor's training moves on to the next outer step meanwhile, until a newcomer asks for the newer
+  state (then the others' chunk requests fail and they start over at that step) or ``SNAPSHOT_IDLE_S`` pass
+  without requests.
 * **newcomer** (averager process): asks every declared donor for its ``StateInfo``, keeps the donors at the
   highest outer step whose digest is the most common there, and runs one fetcher per donor over a shared queue of
   missing chunks. A chunk that fails goes back into the queue and its donor is dropped, so the transfer resumes
@@ -46,6 +49,14 @@ CHUNK_VALUES = 256 * 1024
 """float32 values per chunk: 1 MiB, well inside libp2p's 2 MiB limit for one unary message"""
 SNAPSHOT_IDLE_S = 60.0
 """a donor drops its snapshot after this long without a request for it"""
+SNAPSHOT_REFRESH_S = 5.0
+"""a newcomer that asks for the state gets a snapshot at most this old: its local step (the phase of its next sync)
+and inner state come from it. Chunks keep coming from the current snapshot of the same outer step and digest."""
+INFO_TIMEOUT_S = 5.0
+"""how long a donor may take to describe its state (it may first wait up to 1 s for its trainer to copy it); a dead
+donor that is still declared in the DHT costs a newcomer at most this long"""
+CHUNK_TIMEOUT_S = 10.0
+"""how long one 1 MiB chunk may take (0.8 Mbit/s); a donor slower than that is dropped, the others go on"""
 FETCHES_PER_DONOR = 2
 """chunk requests in flight per donor: enough to hide one round trip"""
 
@@ -56,6 +67,7 @@ class _Snapshot:
     digest: str
     metadata: bytes
     flat: torch.Tensor
+    taken_at: float = field(default_factory=time.monotonic)
     used_at: float = field(default_factory=time.monotonic)
 
 
@@ -154,7 +166,9 @@ class StateTransferMixin:
             self._snapshot_lock = asyncio.Lock()
         async with self._snapshot_lock:
             snapshot = self._snapshot
-            if snapshot is None or snapshot.outer_step != self._host_outer_step.value:
+            stale = snapshot is None or snapshot.outer_step != self._host_outer_step.value or \
+                time.monotonic() - snapshot.taken_at > SNAPSHOT_REFRESH_S
+            if stale:
                 metadata, tensors, _ = await self._get_current_state_from_host_process()
                 info = self.serializer.loads(metadata)
                 # the host sends its state flat, in its staging buffer (DiLoCoOptimizer._shareable_state): copy it
@@ -218,8 +232,7 @@ class StateTransferMixin:
     async def _ask_info(self, peer: PeerID) -> Optional[p2ptrain_pb2.StateInfo]:
         try:
             stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-            info = await asyncio.wait_for(stub.rpc_state_info(p2ptrain_pb2.StateInfoRequest()),
-                                          timeout=max(self.request_timeout, 10.0))
+            info = await asyncio.wait_for(stub.rpc_state_info(p2ptrain_pb2.StateInfoRequest()), timeout=INFO_TIMEOUT_S)
         except Exception as e:
             logger.debug(f"donor {peer} gave no state info: {e!r}")
             return None
@@ -286,7 +299,7 @@ class StateTransferMixin:
         while not queue.empty() and str(peer) not in failed:
             index = queue.get_nowait()
             try:
-                timeout_s = max(1.0, min(max(self.request_timeout, 10.0), deadline - time.monotonic()))
+                timeout_s = max(1.0, min(CHUNK_TIMEOUT_S, deadline - time.monotonic()))
                 chunk = await asyncio.wait_for(
                     stub.rpc_state_chunk(p2ptrain_pb2.StateChunkRequest(
                         outer_step=target[0], digest=target[1], index=index)),
