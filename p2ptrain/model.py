@@ -8,6 +8,7 @@ in any process, which is what lets DiLoCo peers start from the same point withou
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -183,11 +184,15 @@ class GPT(nn.Module):
         return logits, loss
 
 
+_INIT_LOCK = threading.Lock()  # the init draws from torch's process-wide RNG: one model at a time
+
+
 def build_model(size: str, seed: int = 0) -> GPT:
     """A freshly initialised GPT of a named size. The parameters depend only on (size, seed): bit-identical in any
-    process, and the caller's global RNG state is left as it was (dropout and data order stay reproducible)."""
+    process and any thread, and the caller's global RNG state is left as it was (dropout and data order stay
+    reproducible)."""
     config = model_config(size)
     # devices=[]: the init runs on CPU, so there is no CUDA RNG to save (and no warning about not saving it)
-    with torch.random.fork_rng(devices=[]):
+    with _INIT_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return GPT(config)

@@ -6,6 +6,7 @@ import hashlib
 import math
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,17 @@ def test_model_sizes_are_configs():
         assert cfg.vocab_size == 256
     assert MODEL_SIZES["small"].block_size == 256
     assert MODEL_SIZES["124m"].block_size == 1024
+
+
+def test_same_seed_builds_the_same_parameters_in_concurrent_threads():
+    # peers driven from threads of one process (tests, benchmarks, notebooks) build their models at the same time
+    models: dict = {}
+    threads = [threading.Thread(target=lambda i=i: models.__setitem__(i, build_model("tiny", seed=0)))
+               for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    reference = list(build_model("tiny", seed=0).parameters())
+    for model in models.values():
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference))
