@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 from tqdm import tqdm
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -73,9 +75,15 @@ def main() -> None:
                     time.sleep(0.1)
             assert (procs[-1].poll() or 0) < 0 and died_at is not None, "the victim did not die"
         finally:
-            for proc in procs:
+            for proc in procs:  # a clean leave first (it stops p2pd too), then the whole tree
                 if proc.poll() is None:
-                    proc.kill()
+                    proc.send_signal(signal.SIGINT)
+            for proc in procs:
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    for child in [*psutil.Process(proc.pid).children(recursive=True), proc]:
+                        child.kill()
                     proc.wait()
         reports = [json.loads((tmp / f"w{i}.json").read_text()) for i in range(args.workers - 1)]
 
