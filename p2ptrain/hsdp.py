@@ -1,0 +1,137 @@
+"""DiLoCo for a peer whose model is sharded over its local ranks with FSDP2 (``fully_shard`` on an HSDP mesh).
+
+Inside the peer, every rank trains its shards with an ordinary inner optimizer (FSDP2 all-gathers a block's
+parameters for its forward and backward and reduce-scatters the gradients). Across peers the peer is one member
+of the swarm: only the leader (rank 0) has a DHT identity and a ``DiLoCoOptimizer``. Every ``local_steps`` steps:
+
+1. every rank all-gathers the full parameters, one tensor at a time; the leader copies each into its *proxy*, a
+   full fp32 CPU copy of the model (the other ranks drop it at once);
+2. the leader's ``DiLoCoOptimizer`` syncs over the proxy as over any model: pseudo-gradient = its global copy minus
+   the proxy, average with the swarm, outer step; the proxy becomes the new global parameters;
+3. the leader broadcasts the new global parameters (and the step counters) to the other ranks, and every rank
+   copies its own shard out of them.
+
+So a 2-rank peer and a 1-rank peer hold bit-identical global parameters after every round. Memory: the leader's
+host holds four fp32 copies of the full model (proxy, global parameters, outer momentum, averaging buffers), none
+on the GPU; a rank's device holds its shards plus one full parameter at a time during a sync.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from p2ptrain.diloco import DiLoCoOptimizer
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """The full value of a (possibly sharded) parameter; a collective for a DTensor."""
+    return p.full_tensor() if isinstance(p, DTensor) else p.detach()
+
+
+class ShardedDiLoCo:
+    """The DiLoCo optimizer of one peer made of several ranks. Call it on every rank, in the same order.
+
+    :param model: the model, already ``fully_shard``-ed (its parameters are DTensors; plain tensors work too)
+    :param inner_optimizer: builds each rank's inner optimizer from the model's (sharded) parameters
+    :param local_steps: H, inner steps between syncs
+    :param diloco: on the leader only: builds the swarm-side ``DiLoCoOptimizer`` from (proxy parameters, inner
+      optimizer factory); every other ``DiLoCoOptimizer`` argument is the caller's. None on the other ranks.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        inner_optimizer: Callable[..., torch.optim.Optimizer],
+        local_steps: int,
+        diloco: Optional[Callable[..., DiLoCoOptimizer]] = None,
+    ):
+        self.rank = dist.get_rank()
+        self.is_leader = self.rank == 0
+        if self.is_leader != (diloco is not None):
+            raise ValueError("pass `diloco` on rank 0 and only there: the leader is the peer's member of the swarm")
+        self.params: List[torch.Tensor] = list(model.parameters())
+        self.inner = inner_optimizer(self.params)
+        self.local_steps = local_steps
+        self.local_step = 0
+        self.outer_step = 0
+        self.proxy: List[torch.Tensor] = []
+        self.diloco: Optional[DiLoCoOptimizer] = None
+        with torch.no_grad():
+            for p in self.params:
+                full = _full(p)
+                if self.is_leader:
+                    self.proxy.append(torch.nn.Parameter(full.to("cpu", torch.float32, copy=True)))
+        if self.is_leader:
+            # the proxy never takes a gradient: this "inner optimizer" only carries the LRs newcomers download
+            lrs = [group["lr"] for group in self.inner.param_groups]
+            self.diloco = diloco(self.proxy, lambda params: torch.optim.SGD(params, lr=lrs[0]))
+
+    @property
+    def history(self) -> list:
+        return self.diloco.history if self.diloco else []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self, batch_size: Optional[int] = None) -> None:
+        """One inner step on every rank; every ``local_steps`` steps, a sync of the whole peer with the swarm.
+        ``batch_size``: the samples the whole peer (all ranks together) trained on in this step."""
+        self.inner.step()
+        self.local_step += 1
+        if self.local_step % self.local_steps == 0:
+            self._gather_into_proxy()
+            if self.is_leader:
+                self._mirror_lrs()
+                self.diloco.step(batch_size=batch_size)  # its local step hits H too: this step syncs
+            self.broadcast_global()
+        elif self.is_leader:
+            self._mirror_lrs()
+            self.diloco.step(batch_size=batch_size)  # counters, samples and progress records only
+
+    @torch.no_grad()
+    def _gather_into_proxy(self) -> None:
+        for i, p in enumerate(self.params):
+            full = _full(p)
+            if self.is_leader:
+                self.proxy[i].copy_(full)
+            del full
+
+    def _mirror_lrs(self) -> None:
+        for group, mirror in zip(self.inner.param_groups, self.diloco.param_groups):
+            mirror["lr"] = group["lr"]
+
+    @torch.no_grad()
+    def broadcast_global(self) -> None:
+        """Every rank takes the leader's global parameters into its shards, and the leader's step counters. Call
+        after the leader synced or took the swarm's state (``DiLoCoOptimizer.catch_up``)."""
+        device = self.params[0].to_local().device if isinstance(self.params[0], DTensor) else self.params[0].device
+        counters = torch.zeros(2, dtype=torch.long)
+        if self.is_leader:
+            counters[:] = torch.tensor([self.diloco.local_step, self.diloco.outer_step])
+            flat = torch.cat([g.detach().reshape(-1) for g in self.diloco.global_params]).to(device)
+        else:
+            flat = torch.empty(sum(p.numel() for p in self.params), dtype=torch.float32, device=device)
+        dist.broadcast(counters, src=0)
+        dist.broadcast(flat, src=0)
+        self.local_step, self.outer_step = int(counters[0]), int(counters[1])
+        offset = 0
+        for p in self.params:
+            full = flat[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+            if isinstance(p, DTensor):
+                p.copy_(distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None))
+            else:
+                p.copy_(full)
+
+    def global_state(self) -> Dict[str, Any]:
+        """The leader's global parameters (full, fp32, CPU); empty on the other ranks."""
+        return {"global_params": [g.detach().clone() for g in self.diloco.global_params]} if self.is_leader else {}
+
+    def close(self) -> None:
+        if self.diloco is not None:
+            self.diloco.close()

@@ -1,0 +1,101 @@
+"""A peer made of 2 FSDP2 ranks (HSDP mesh, gloo on CPU) trains in one swarm with a 1-rank peer.
+
+The 2-rank peer runs under torchrun (tests/swarm/hsdp_peer.py); the 1-rank peer is a plain DiLoCoOptimizer in
+this process. After every sync both must hold bit-identical global parameters. And the run must match, within
+a stated tolerance, the same run with the 2-rank peer replaced by a 1-rank peer that sees the same batches.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from functools import partial
+from pathlib import Path
+
+import hivemind
+import pytest
+import torch
+
+from p2ptrain.data import ShardedBatches, load_corpus, split_train_val
+from p2ptrain.diloco import DiLoCoOptimizer
+from p2ptrain.model import build_model
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+
+SYNCS, LOCAL_STEPS, BATCH = 3, 5, 4
+PEER_SCRIPT = Path(__file__).with_name("hsdp_peer.py")
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+# same batches, same seeds, fp32 everywhere: the only differences are float summation orders (FSDP averages two
+# half-batch gradients where one rank takes the mean of the whole batch), amplified by 15 AdamW steps
+TOLERANCE = 1e-4
+
+
+def single_rank_peer(dht: hivemind.DHT, shard: int, result: dict) -> None:
+    torch.set_num_threads(1)
+    model = build_model("tiny", seed=0)
+    opt = DiLoCoOptimizer(model.parameters(), dht=dht, run_id="hsdp", local_steps=LOCAL_STEPS,
+                          inner_optimizer=partial(torch.optim.AdamW, lr=1e-3),
+                          outer_optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
+                          compression="none", target_group_size=2, no_group_policy="wait", matchmaking_time_s=5.0,
+                          batch_size=BATCH)
+    train, _ = split_train_val(load_corpus(None))
+    batches = ShardedBatches(train, block_size=model.config.block_size, batch_size=BATCH, shard_index=shard,
+                             num_shards=2)
+    try:
+        while opt.outer_step < SYNCS:
+            x, y = next(batches)
+            model(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad()
+        result["digests"] = [record.digest for record in opt.history]
+        result["group_sizes"] = [record.group_size for record in opt.history]
+        result["global"] = [g.detach().clone() for g in opt.global_params]
+    finally:
+        opt.close()
+
+
+def test_two_rank_hsdp_peer_and_one_rank_peer_stay_identical(tmp_path):
+    dht = hivemind.DHT(start=True, host_maddrs=LOOPBACK)
+    log = tmp_path / "hsdp.log"
+    ranks = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(PEER_SCRIPT),
+         "--initial-peers", str(dht.get_visible_maddrs()[0]), "--out", str(tmp_path), "--syncs", str(SYNCS),
+         "--local-steps", str(LOCAL_STEPS)],
+        stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+    )
+    one_rank: dict = {}
+    try:
+        single_rank_peer(dht, shard=1, result=one_rank)
+        assert ranks.wait(timeout=120) == 0, log.read_text()[-4000:]
+    finally:
+        if ranks.poll() is None:
+            ranks.kill()
+            ranks.wait()
+        dht.shutdown()
+
+    hsdp_digests = json.loads((tmp_path / "digests.json").read_text())
+    hsdp_global = torch.load(tmp_path / "global.pt")
+    assert one_rank["group_sizes"] == [2] * SYNCS, "the two peers did not average together every round"
+    assert hsdp_digests == one_rank["digests"], "the 2-rank and the 1-rank peer hold different global parameters"
+    assert all(torch.equal(a, b) for a, b in zip(hsdp_global, one_rank["global"], strict=True))
+
+    # the same run with a 1-rank peer on shard 0 in place of the 2-rank peer
+    first = hivemind.DHT(start=True, host_maddrs=LOOPBACK)
+    second = hivemind.DHT(start=True, host_maddrs=LOOPBACK, initial_peers=first.get_visible_maddrs())
+    reference = [{}, {}]
+    try:
+        threads = [threading.Thread(target=single_rank_peer, args=(dht, shard, reference[shard]))
+                   for shard, dht in enumerate((first, second))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        second.shutdown()
+        first.shutdown()
+    worst = max((a - b).abs().max().item() for a, b in zip(hsdp_global, reference[0]["global"], strict=True))
+    scale = max(a.abs().max().item() for a in reference[0]["global"])
+    print(f"2-rank HSDP + 1-rank vs 2 x 1-rank: max |difference| {worst:.2e} (largest parameter {scale:.2f})")
+    assert worst <= TOLERANCE
