@@ -18,12 +18,18 @@ on the GPU; a rank's device holds its shards plus one full parameter at a time d
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from p2ptrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from p2ptrain.diloco import DiLoCoOptimizer
 
 
@@ -110,15 +116,12 @@ class ShardedDiLoCo:
         """Every rank takes the leader's global parameters into its shards, and the leader's step counters. Call
         after the leader synced or took the swarm's state (``DiLoCoOptimizer.catch_up``)."""
         device = self.params[0].to_local().device if isinstance(self.params[0], DTensor) else self.params[0].device
-        counters = torch.zeros(2, dtype=torch.long)
+        self._broadcast_counters()
         if self.is_leader:
-            counters[:] = torch.tensor([self.diloco.local_step, self.diloco.outer_step])
             flat = torch.cat([g.detach().reshape(-1) for g in self.diloco.global_params]).to(device)
         else:
             flat = torch.empty(sum(p.numel() for p in self.params), dtype=torch.float32, device=device)
-        dist.broadcast(counters, src=0)
         dist.broadcast(flat, src=0)
-        self.local_step, self.outer_step = int(counters[0]), int(counters[1])
         offset = 0
         for p in self.params:
             full = flat[offset:offset + p.numel()].view(p.shape)
@@ -128,6 +131,53 @@ class ShardedDiLoCo:
             else:
                 p.copy_(full)
 
+    # ------------------------------------------------------------------------------------- sharded checkpoints
+
+    def save_checkpoint(self, directory: str | Path, model: torch.nn.Module) -> Path:
+        """Write a checkpoint that any number of ranks can load (``torch.distributed.checkpoint``): every rank
+        writes its shards of the model and of the inner optimizer's state into ``<directory>/step-<outer>-<local>``,
+        the leader adds its DiLoCo state (global parameters, outer momentum, counters) and then, after every rank
+        finished, points ``<directory>/latest`` at it (atomically) and removes the previous one. A crash mid-write
+        leaves ``latest`` on the previous, complete checkpoint. Call on every rank."""
+        directory = Path(directory)
+        target = directory / f"step-{self.outer_step}-{self.local_step}"
+        model_state, optim_state = get_state_dict(model, self.inner)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(target / "shards"))
+        if self.is_leader:
+            save_checkpoint(target / "diloco.pt", {"diloco": self.diloco.state_dict(), "ranks": dist.get_world_size()})
+        dist.barrier()
+        if self.is_leader:
+            previous = _latest(directory)
+            tmp = directory / f".latest.tmp-{os.getpid()}"
+            tmp.write_text(target.name)
+            os.replace(tmp, directory / "latest")
+            if previous is not None and previous != target:
+                shutil.rmtree(previous, ignore_errors=True)
+        dist.barrier()
+        return target
+
+    def load_checkpoint(self, directory: str | Path, model: torch.nn.Module) -> None:
+        """Load the checkpoint ``<directory>/latest`` points at, whatever number of ranks wrote it: the model's and
+        the inner optimizer's shards into this peer's layout, the DiLoCo state into the leader. The model keeps
+        the local progress it had at save time. Call on every rank."""
+        target = _latest(Path(directory))
+        if target is None:
+            raise CheckpointError(f"no sharded checkpoint in {directory} (no 'latest' file); start without --resume")
+        model_state, optim_state = get_state_dict(model, self.inner)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=str(target / "shards"))
+        set_state_dict(model, self.inner, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if self.is_leader:
+            self.diloco.load_state_dict(load_checkpoint(target / "diloco.pt")["diloco"])
+        self._broadcast_counters()
+
+    def _broadcast_counters(self) -> None:
+        counters = torch.zeros(2, dtype=torch.long)
+        if self.is_leader:
+            counters[:] = torch.tensor([self.diloco.local_step, self.diloco.outer_step])
+        dist.broadcast(counters, src=0)
+        self.local_step, self.outer_step = int(counters[0]), int(counters[1])
+
     def global_state(self) -> Dict[str, Any]:
         """The leader's global parameters (full, fp32, CPU); empty on the other ranks."""
         return {"global_params": [g.detach().clone() for g in self.diloco.global_params]} if self.is_leader else {}
@@ -135,3 +185,12 @@ class ShardedDiLoCo:
     def close(self) -> None:
         if self.diloco is not None:
             self.diloco.close()
+
+
+def _latest(directory: Path) -> Optional[Path]:
+    """The checkpoint folder ``directory/latest`` names, or None."""
+    pointer = directory / "latest"
+    if not pointer.is_file():
+        return None
+    target = directory / pointer.read_text().strip()
+    return target if target.is_dir() else None

@@ -5,7 +5,9 @@
 
 Rank r trains on rows [r*B/W, (r+1)*B/W) of each batch of data shard 0, so the peer as a whole sees the same
 batches as a single-rank peer on shard 0 (tests/swarm/test_hsdp.py). The leader writes DIR/digests.json (the
-global parameters' digest after every sync) and DIR/global.pt (the final global parameters).
+global parameters' digest after every sync) and DIR/global.pt (the final global parameters). With --save CKPT it
+then writes a sharded checkpoint and DIR/saved.pt (full model, AdamW moments, counters, global parameters); with
+--load CKPT it starts from the checkpoint and writes the same for what it loaded to DIR/loaded.pt.
 """
 
 from __future__ import annotations
@@ -29,13 +31,25 @@ from p2ptrain.model import build_model
 BATCH = 4
 
 
+def dump(opt: ShardedDiLoCo, model: torch.nn.Module, path: Path) -> None:
+    """The peer's full model, AdamW moments, counters and global parameters, written by rank 0 (a collective)."""
+    with torch.no_grad():
+        params = [p.full_tensor() for p in model.parameters()]
+        moments = [opt.inner.state[p]["exp_avg"].full_tensor() for p in model.parameters()]
+    if dist.get_rank() == 0:
+        torch.save({"model": params, "exp_avg": moments, "counters": [opt.local_step, opt.outer_step],
+                    "global": opt.global_state()["global_params"]}, path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--initial-peers", required=True)
+    parser.add_argument("--initial-peers", default=None, help="a live peer to join (default: a swarm of its own)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--syncs", type=int, default=3)
     parser.add_argument("--local-steps", type=int, default=5)
     parser.add_argument("--compression", default="none")
+    parser.add_argument("--save", default=None, help="after training, write a sharded checkpoint here")
+    parser.add_argument("--load", default=None, help="before training, load the sharded checkpoint from here")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -49,11 +63,14 @@ def main() -> None:
     dht = None
     diloco = None
     if rank == 0:
-        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[args.initial_peers])
+        initial_peers = [args.initial_peers] if args.initial_peers else []
+        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers)
         diloco = partial(DiLoCoOptimizer, dht=dht, run_id="hsdp", local_steps=args.local_steps,
                          outer_optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
-                         compression=args.compression, target_group_size=2, no_group_policy="wait",
-                         matchmaking_time_s=5.0, batch_size=BATCH)
+                         compression=args.compression, target_group_size=2, batch_size=BATCH,
+                         # alone (no --initial-peers), every round applies the peer's own pseudo-gradient, quickly
+                         no_group_policy="wait" if args.initial_peers else "apply_local",
+                         matchmaking_time_s=5.0 if args.initial_peers else 1.0)
     opt = ShardedDiLoCo(model, inner_optimizer=partial(torch.optim.AdamW, lr=1e-3), local_steps=args.local_steps,
                         diloco=(lambda params, inner: diloco(params, inner_optimizer=inner)) if diloco else None)
     train, _ = split_train_val(load_corpus(None))
@@ -61,6 +78,9 @@ def main() -> None:
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     digests = []
     try:
+        if args.load:
+            opt.load_checkpoint(args.load, model)
+            dump(opt, model, Path(args.out) / "loaded.pt")
         while opt.outer_step < args.syncs:
             x, y = next(batches)
             _, loss = model(x[rows], y[rows])
@@ -73,6 +93,9 @@ def main() -> None:
             out = Path(args.out)
             (out / "digests.json").write_text(json.dumps(digests))
             torch.save(opt.global_state()["global_params"], out / "global.pt")
+        if args.save:
+            opt.save_checkpoint(args.save, model)
+            dump(opt, model, Path(args.out) / "saved.pt")
     finally:
         opt.close()
         if dht is not None:

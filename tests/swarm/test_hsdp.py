@@ -99,3 +99,26 @@ def test_two_rank_hsdp_peer_and_one_rank_peer_stay_identical(tmp_path):
     scale = max(a.abs().max().item() for a in reference[0]["global"])
     print(f"2-rank HSDP + 1-rank vs 2 x 1-rank: max |difference| {worst:.2e} (largest parameter {scale:.2f})")
     assert worst <= TOLERANCE
+
+
+def run_ranks(nproc: int, tmp_path: Path, name: str, *args: str) -> None:
+    log = tmp_path / f"{name}.log"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+         str(PEER_SCRIPT), "--out", str(tmp_path), *args],
+        stdout=open(log, "wb"), stderr=subprocess.STDOUT, timeout=180,
+    )
+    assert done.returncode == 0, log.read_text()[-4000:]
+
+
+def test_sharded_checkpoint_loads_on_another_number_of_ranks(tmp_path):
+    """2 ranks train alone for 2 syncs (plus 2 steps) and checkpoint; 1 rank loads it: the same full model, AdamW
+    moments, counters and global parameters."""
+    checkpoint = tmp_path / "ckpt"
+    run_ranks(2, tmp_path, "save", "--syncs", "2", "--local-steps", "3", "--save", str(checkpoint))
+    assert (checkpoint / "latest").is_file()
+    run_ranks(1, tmp_path, "load", "--syncs", "0", "--local-steps", "3", "--load", str(checkpoint))
+    saved, loaded = torch.load(tmp_path / "saved.pt"), torch.load(tmp_path / "loaded.pt")
+    assert loaded["counters"] == saved["counters"] == [6, 2]
+    for key in ("model", "exp_avg", "global"):
+        assert all(torch.equal(a, b) for a, b in zip(saved[key], loaded[key], strict=True)), key
