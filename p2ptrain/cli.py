@@ -137,6 +137,8 @@ RUN_OPTIONS: List[Tuple[str, str, Dict[str, Any]]] = [
     ("--num-shards", "train.num_shards", dict(type=click.IntRange(min=1), help="Disjoint shards of the data.")),
     ("--shard-index", "train.shard_index",
      dict(type=click.IntRange(min=0), help="Train on this shard; default: claim a free one.")),
+    ("--shard-size", "train.shard_size",
+     dict(type=click.IntRange(min=1), help="With --nproc-per-node: ranks that shard the model (default: all).")),
     ("--device", "train.device", dict(help="auto, cpu, cuda or cuda:N (bf16 autocast on CUDA).")),
     ("--max-outer-steps", "train.max_outer_steps",
      dict(type=click.IntRange(min=1), help="Leave cleanly after this many syncs; default: until stopped.")),
@@ -254,9 +256,11 @@ def bootstrap(ctx: click.Context, maddrs_file: Optional[str], config_path: Optio
               show_envvar=True, help="Write a JSON report (losses, every sync) here after every sync and at exit.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
 @click.option("--resume", is_flag=True, help="Continue from the checkpoint in --checkpoint-dir.")
+@click.option("--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Local ranks (GPUs) of this peer: the model is sharded over them with FSDP2 (via torchrun).")
 @click.pass_context
 def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[str], progress: bool, resume: bool,
-         **params) -> None:
+         nproc_per_node: int, **params) -> None:
     """Join a run as a training peer."""
     from p2ptrain.checkpoint import CheckpointError
     from p2ptrain.config import ConfigError
@@ -265,6 +269,13 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
     from p2ptrain.swarm.dht import SwarmError
 
     config = load_run_config(ctx, config_path, params)
+    if nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+        from p2ptrain.hsdp import multi_rank_problem
+
+        problem = multi_rank_problem(config.train, nproc_per_node, resume)
+        if problem:
+            raise BadInput(problem)
+        _exec_torchrun(nproc_per_node)  # does not return: torchrun starts the ranks, each runs this command
     if not config.swarm.initial_peers:
         logger.warning("no --initial-peers: starting a new swarm; others can join through the addresses below")
     worker = Worker(config, report_path=report_path, show_progress=progress, resume=resume)
@@ -279,6 +290,24 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
         f"[{report.peer_id}] left after {report.outer_steps} outer steps ({report.stopped_by or 'data exhausted'}); "
         + losses
     )
+
+
+def _exec_torchrun(nproc: int) -> None:
+    """Become ``torchrun --standalone --nproc-per-node N -m p2ptrain join ...`` with this command's other arguments;
+    torchrun forwards SIGINT/SIGTERM to the ranks and stops them all when one fails."""
+    args, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif arg == "--nproc-per-node":
+            skip = True
+        elif not arg.startswith("--nproc-per-node="):
+            args.append(arg)
+    logger.info(f"starting {nproc} local ranks with torchrun")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              f"--nproc-per-node={nproc}", "-m", "p2ptrain", *args])
 
 
 @cli.command()

@@ -83,6 +83,9 @@ class TrainConfig:
     """the training text is cut into this many disjoint shards; peers claim different ones"""
     shard_index: Optional[int] = None
     """train on this shard; unset: claim a free one through the DHT"""
+    shard_size: Optional[int] = None
+    """with several ranks per peer (join --nproc-per-node): ranks that shard the model (FSDP2); the rest replicate
+    it (HSDP). Unset: all ranks shard"""
     device: str = "auto"
     """auto, cpu or cuda (bf16 autocast on CUDA)"""
     max_outer_steps: Optional[int] = None
@@ -209,6 +212,7 @@ def validate(config: RunConfig) -> None:
          f"diloco.no_group_policy {d.no_group_policy!r} is unknown; use one of: {', '.join(NO_GROUP_POLICIES)}")
     need(t.batch_size >= 1, f"train.batch_size must be at least 1, got {t.batch_size}")
     need(t.num_shards >= 1, f"train.num_shards must be at least 1, got {t.num_shards}")
+    need(t.shard_size is None or t.shard_size >= 1, f"train.shard_size must be at least 1, got {t.shard_size}")
     need(t.shard_index is None or 0 <= t.shard_index < t.num_shards,
          f"train.shard_index {t.shard_index} must be in [0, {t.num_shards}); or leave it unset to claim one")
     need(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),

@@ -20,17 +20,88 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from p2ptrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from p2ptrain.config import ConfigError
 from p2ptrain.diloco import DiLoCoOptimizer
+
+
+@dataclass(frozen=True)
+class LocalRanks:
+    """This process's place in a multi-rank peer, from torchrun's environment (one rank when there is none)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> "LocalRanks":
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                   int(os.environ.get("LOCAL_RANK", 0)))
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+
+def multi_rank_problem(train, nproc: int, resume: bool) -> str:
+    """Why this training config (``RunConfig.train``) cannot run as a peer of ``nproc`` ranks, or an empty string."""
+    if resume or train.checkpoint_dir:
+        return ("--checkpoint-dir and --resume do not work with --nproc-per-node > 1 yet; drop them or use "
+                "--nproc-per-node 1")
+    if train.batch_size % nproc:
+        return f"--batch-size {train.batch_size} does not split over {nproc} ranks; use a multiple of {nproc}"
+    if train.shard_size is not None and nproc % train.shard_size:
+        return f"--shard-size {train.shard_size} does not divide --nproc-per-node {nproc}; use a divisor"
+    return ""
+
+
+def init_ranks(ranks: LocalRanks, device: torch.device, shard_size: Optional[int]):
+    """Start the process group and the (replicate, shard) mesh; ``shard_size`` ranks shard the model (default:
+    all of them), the rest replicate it."""
+    shard = shard_size or ranks.world
+    if shard < 1 or ranks.world % shard:
+        raise ConfigError(f"--shard-size {shard} does not divide the peer's {ranks.world} ranks; use a divisor")
+    if device.type == "cuda":
+        torch.cuda.set_device(ranks.local_rank)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return init_device_mesh(device.type, (ranks.world // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def shard_model(model: torch.nn.Module, mesh) -> None:
+    """``fully_shard`` every transformer block, then the root; on CUDA, bf16 parameters and fp32 gradient
+    reduction."""
+    mp = MixedPrecisionPolicy()
+    if mesh.device_type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def broadcast_object(obj: Any) -> Any:
+    """The leader's ``obj`` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if it is True on any (e.g. one rank got the stop signal)."""
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -80,6 +151,29 @@ class ShardedDiLoCo:
     @property
     def history(self) -> list:
         return self.diloco.history if self.diloco else []
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.diloco.samples_per_s if self.diloco else 0.0
+
+    @property
+    def last_download(self) -> Optional[dict]:
+        return self.diloco.last_download if self.diloco else None
+
+    def interrupt(self) -> None:
+        if self.diloco is not None:
+            self.diloco.interrupt()
+
+    def catch_up_if_behind(self) -> bool:
+        """If the swarm is at a later outer step, the leader takes its state and every rank its shards of it.
+        Returns True if the peer caught up. Call on every rank."""
+        behind = broadcast_object(self.diloco.swarm_outer_step() > self.outer_step if self.is_leader else None)
+        if not behind:
+            return False
+        caught_up = broadcast_object(self.diloco.catch_up() if self.is_leader else None)
+        if caught_up:
+            self.broadcast_global()
+        return caught_up
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)

@@ -18,12 +18,22 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from p2ptrain.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from p2ptrain.config import ConfigError, RunConfig
 from p2ptrain.data import ShardedBatches, eval_batches, evaluate, load_corpus, split_train_val
 from p2ptrain.diloco import DiLoCoOptimizer
+from p2ptrain.hsdp import (
+    LocalRanks,
+    ShardedDiLoCo,
+    any_rank,
+    broadcast_object,
+    init_ranks,
+    multi_rank_problem,
+    shard_model,
+)
 from p2ptrain.model import build_model, model_config
 from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht, visible_maddrs
 from p2ptrain.swarm.progress import ProgressPublisher
@@ -95,6 +105,7 @@ class Worker:
         self._opt: Optional[DiLoCoOptimizer] = None
         self._checkpoint_parts: Optional[tuple] = None  # (model, optimizer, batches) once training can begin
         self.report = WorkerReport(run_id=config.run_id, model=config.train.model)
+        self.ranks = LocalRanks()  # set from torchrun's environment when run() starts
 
     def request_stop(self) -> None:
         """Leave after the current step; a sync that is waiting for peers gives up after its current attempt."""
@@ -112,33 +123,28 @@ class Worker:
         # read the data and the checkpoint before joining: bad input must fail before any process is started
         train_bytes, val_bytes = split_train_val(load_corpus(train_cfg.data or None))
         resumed = self._load_resume_state() if self.resume else None
+        ranks = self.ranks = LocalRanks.from_env()
+        if ranks.world > 1:
+            problem = multi_rank_problem(train_cfg, ranks.world, self.resume)  # the CLI checked it before torchrun
+            if problem:
+                raise ConfigError(problem)
+            if not ranks.leader:
+                logging.getLogger("p2ptrain").setLevel(logging.WARNING)  # the leader speaks for the peer
+            mesh = init_ranks(ranks, device, train_cfg.shard_size)
 
-        dht = start_dht(cfg.swarm)
-        self._dht = dht
-        opt: Optional[DiLoCoOptimizer] = None
+        dht = self._dht = start_dht(cfg.swarm) if ranks.leader else None
+        opt = None
         try:
-            peer_id = dht.peer_id.to_base58()
-            self.report.peer_id = peer_id
-            logger.info(f"[{peer_id}] joined run {cfg.run_id!r}; other peers can join through:")
-            self.report.maddrs = [str(maddr) for maddr in visible_maddrs(dht)]
-            for maddr in self.report.maddrs:
-                logger.info(f"[{peer_id}]   {maddr}")
-            self._write_report()
-            logger.info(f"[{peer_id}] effective config: {json.dumps(cfg.to_dict(), sort_keys=True)}")
-
-            publisher = ProgressPublisher(dht, cfg.run_id)
-            if resumed is not None:
-                publisher.shard_index = resumed["shard_index"]  # keep training on the same data
-            elif train_cfg.shard_index is not None:
-                publisher.shard_index = train_cfg.shard_index
-            else:
-                publisher.shard_index = claim_shard(dht, cfg.run_id, train_cfg.num_shards, publisher)
-            self.report.shard_index = publisher.shard_index
+            publisher = self._join_swarm(dht, resumed) if ranks.leader else None
+            shard_index = publisher.shard_index if publisher else None
+            if ranks.world > 1:
+                shard_index = broadcast_object(shard_index)
+            self.report.shard_index = shard_index
             batches = ShardedBatches(
                 train_bytes,
                 block_size=self._block_size(),
                 batch_size=train_cfg.batch_size,
-                shard_index=publisher.shard_index,
+                shard_index=shard_index,
                 num_shards=train_cfg.num_shards,
                 seed=train_cfg.seed,
             )
@@ -146,17 +152,17 @@ class Worker:
 
             model = build_model(train_cfg.model, seed=train_cfg.seed).to(device)
             self.report.num_parameters = model.num_parameters()
-            opt = DiLoCoOptimizer(
-                model.parameters(),
+            inner = partial(
+                torch.optim.AdamW,
+                lr=diloco_cfg.inner_lr,
+                weight_decay=diloco_cfg.inner_weight_decay,
+                betas=tuple(diloco_cfg.inner_betas),
+            )
+            make_diloco = partial(
+                DiLoCoOptimizer,
                 dht=dht,
                 run_id=cfg.run_id,
                 local_steps=diloco_cfg.local_steps,
-                inner_optimizer=partial(
-                    torch.optim.AdamW,
-                    lr=diloco_cfg.inner_lr,
-                    weight_decay=diloco_cfg.inner_weight_decay,
-                    betas=tuple(diloco_cfg.inner_betas),
-                ),
                 outer_optimizer=partial(
                     torch.optim.SGD, lr=diloco_cfg.outer_lr, momentum=diloco_cfg.outer_momentum, nesterov=True
                 ),
@@ -170,6 +176,15 @@ class Worker:
                 client_mode=cfg.swarm.client_mode,
                 progress=publisher,
             )
+            if ranks.world == 1:
+                opt = make_diloco(model.parameters(), inner_optimizer=inner)
+            else:
+                shard_model(model, mesh)
+                opt = ShardedDiLoCo(
+                    model, inner_optimizer=inner, local_steps=diloco_cfg.local_steps,
+                    diloco=(lambda params, proxy_inner: make_diloco(params, inner_optimizer=proxy_inner))
+                    if ranks.leader else None,
+                )
             self._opt = opt
             if self._stop.is_set():  # a signal arrived while the optimizer was being built
                 opt.interrupt()
@@ -179,8 +194,9 @@ class Worker:
             self._continue_shard(dht, opt, batches)
             self.report.initial_eval_loss = self._evaluate(model, held_out, device)
             logger.info(
-                f"[{peer_id}] model {train_cfg.model} ({self.report.num_parameters:,} parameters) on {device}, "
-                f"shard {publisher.shard_index}/{train_cfg.num_shards}, eval loss {self.report.initial_eval_loss:.4f}"
+                f"[{self.report.peer_id}] model {train_cfg.model} ({self.report.num_parameters:,} parameters) on "
+                f"{device} x {ranks.world} rank(s), shard {shard_index}/{train_cfg.num_shards}, "
+                f"eval loss {self.report.initial_eval_loss:.4f}"
             )
             self._checkpoint_parts = (model, opt, batches)
             self._train(model, opt, batches, held_out, device)
@@ -189,14 +205,38 @@ class Worker:
         finally:
             if opt is not None:
                 opt.close()
-            stop_dht(dht)
+            if dht is not None:
+                stop_dht(dht)
+            if ranks.world > 1 and dist.is_initialized():
+                dist.destroy_process_group()
             self.report.wall_s = time.monotonic() - started
             self._write_report()
         return self.report
 
+    def _join_swarm(self, dht, resumed: Optional[dict]) -> ProgressPublisher:
+        """Log who we are and how to reach us, and settle which data shard this peer trains on."""
+        cfg = self.config
+        peer_id = dht.peer_id.to_base58()
+        self.report.peer_id = peer_id
+        logger.info(f"[{peer_id}] joined run {cfg.run_id!r}; other peers can join through:")
+        self.report.maddrs = [str(maddr) for maddr in visible_maddrs(dht)]
+        for maddr in self.report.maddrs:
+            logger.info(f"[{peer_id}]   {maddr}")
+        self._write_report()
+        logger.info(f"[{peer_id}] effective config: {json.dumps(cfg.to_dict(), sort_keys=True)}")
+        publisher = ProgressPublisher(dht, cfg.run_id)
+        if resumed is not None:
+            publisher.shard_index = resumed["shard_index"]  # keep training on the same data
+        elif cfg.train.shard_index is not None:
+            publisher.shard_index = cfg.train.shard_index
+        else:
+            publisher.shard_index = claim_shard(dht, cfg.run_id, cfg.train.num_shards, publisher)
+        return publisher
+
     def _write_report(self) -> None:
-        """Write the report atomically (after start-up, after every sync, at exit), so it can be watched."""
-        if not self.report_path:
+        """Write the report atomically (after start-up, after every sync, at exit), so it can be watched. The
+        leader writes it for a peer of several ranks."""
+        if not self.report_path or not self.ranks.leader:
             return
         path = Path(self.report_path)
         tmp = path.with_name(path.name + ".tmp")
@@ -206,45 +246,62 @@ class Worker:
         except OSError as e:  # a report is not worth stopping training for
             logger.error(f"[{self.report.peer_id}] could not write the report {path}: {e}")
 
-    def _catch_up(self, opt: DiLoCoOptimizer) -> None:
+    def _catch_up(self, opt) -> None:
         """A peer that starts behind the swarm (joining mid-run, resuming late) takes the state from live peers
         first, so it never averages a pseudo-gradient computed from stale parameters."""
-        swarm_outer_step = opt.swarm_outer_step()
-        if swarm_outer_step <= opt.outer_step:
-            return
-        logger.info(f"[{self.report.peer_id}] the swarm is at outer step {swarm_outer_step}, this peer at "
-                    f"{opt.outer_step}: taking the state from live peers")
         started = time.monotonic()
-        if opt.catch_up():
+        if isinstance(opt, ShardedDiLoCo):
+            caught_up = opt.catch_up_if_behind()
+        else:
+            swarm_outer_step = opt.swarm_outer_step()
+            if swarm_outer_step <= opt.outer_step:
+                return
+            logger.info(f"[{self.report.peer_id}] the swarm is at outer step {swarm_outer_step}, this peer at "
+                        f"{opt.outer_step}: taking the state from live peers")
+            caught_up = opt.catch_up()
+            if not caught_up:
+                logger.warning(f"[{self.report.peer_id}] could not take the state from peers; training from its "
+                               "own, which is behind the swarm")
+        if caught_up:
             self.report.outer_steps = opt.outer_step
             self.report.local_steps = opt.local_step
             self.report.state_download_s = time.monotonic() - started
             self.report.state_download = opt.last_download
-        else:
-            logger.warning(f"[{self.report.peer_id}] could not take the state from peers; training from its own, "
-                           "which is behind the swarm")
 
     def _continue_shard(self, dht, opt: DiLoCoOptimizer, batches: ShardedBatches) -> None:
         """Continue this shard where the swarm's training of it got to, if that is ahead of us: its previous owner
         left or died (or we resumed from an older checkpoint). Cursors from a later outer step than ours are from an
         earlier run under the same run id, and are ignored."""
+        if self.ranks.world > 1:
+            state = broadcast_object(self._shard_cursor(dht, opt, batches) if self.ranks.leader else None)
+            if state is not None:
+                batches.load_state_dict(state)
+            return
+        state = self._shard_cursor(dht, opt, batches)
+        if state is not None:
+            batches.load_state_dict(state)
+
+    def _shard_cursor(self, dht, opt, batches: ShardedBatches) -> Optional[dict]:
+        """The data position to continue this shard from (a ``ShardedBatches`` state), or None."""
         cursor = fetch_cursor(dht, self.config.run_id, batches.shard_index)
         if cursor is None or (cursor.epoch, cursor.position) <= (batches.epoch, batches.position):
-            return
+            return None
         peer = self.report.peer_id
         if cursor.outer_step > opt.outer_step:
             logger.warning(f"[{peer}] ignoring the data cursor of shard {batches.shard_index} from outer step "
                            f"{cursor.outer_step}: this run is at {opt.outer_step} (an earlier run with this run id?)")
-            return
+            return None
+        state = cursor_state(cursor)
         try:
-            batches.load_state_dict(cursor_state(cursor))
+            batches.load_state_dict(state)  # validates it against this iterator's data layout
         except ValueError as e:
             logger.warning(f"[{peer}] ignoring the data cursor of shard {batches.shard_index}: {e}")
-            return
+            return None
         self.report.data_cursor = {"from_peer": cursor.peer_id, "outer_step": cursor.outer_step,
                                    "epoch": cursor.epoch, "position": cursor.position}
         logger.info(f"[{peer}] continuing shard {batches.shard_index} at epoch {cursor.epoch}, sample "
                     f"{cursor.position}, where {cursor.peer_id[-8:]} left it at outer step {cursor.outer_step}")
+        return state
 
     # ------------------------------------------------------------------------------------------- checkpoints
 
@@ -308,44 +365,55 @@ class Worker:
         peer = self.report.peer_id
         max_outer = cfg.max_outer_steps
         total = max_outer * opt.local_steps if max_outer else None
-        bar = tqdm(total=total, desc=f"{peer[-8:]} train", unit="step", disable=not self.show_progress, leave=False)
+        ranks = self.ranks
+        bar = tqdm(total=total, desc=f"{peer[-8:]} train", unit="step", leave=False,
+                   disable=not (self.show_progress and ranks.leader))
         last_log, loss_value = time.monotonic(), float("nan")
+        # each rank of a multi-rank peer trains on its slice of the batch; FSDP averages their gradients
+        rows = slice(ranks.rank * cfg.batch_size // ranks.world, (ranks.rank + 1) * cfg.batch_size // ranks.world)
         model.train()
         try:
             for x, y in batches:
-                if self._stop.is_set():
+                stop = self._stop.is_set()
+                if ranks.world > 1:
+                    stop = any_rank(stop, device)  # every rank leaves at the same step, or a collective hangs
+                if stop:
                     self.report.stopped_by = "signal"
                     break
                 if self.report.startup_s is None:
                     self.report.startup_s = time.monotonic() - self._started
+                x, y = x[rows], y[rows]
                 with self._autocast(device):
                     _, loss = model(x.to(device), y.to(device))
                 loss.backward()
                 synced_before = opt.outer_step
-                opt.step()
+                opt.step(batch_size=cfg.batch_size)
                 opt.zero_grad()
                 loss_value = loss.item()
                 if self.report.first_loss is None:
                     self.report.first_loss = loss_value
                 self.report.local_steps = opt.local_step
-                self.report.samples += x.shape[0]
+                self.report.samples += cfg.batch_size
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss_value:.3f}", outer=opt.outer_step)
 
                 if opt.outer_step != synced_before and opt.outer_step % cfg.checkpoint_every == 0:
                     self._save_checkpoint(f"outer step {opt.outer_step}")
                 if opt.outer_step != synced_before:
-                    data_state = batches.state_dict()
-                    publish_cursor(self._dht, self.config.run_id, data_state, opt.outer_step)
-                    record = opt.history[-1].to_dict()
-                    record["data_position"] = [data_state["epoch"], data_state["position"]]
-                    record["eval_loss"] = self._evaluate(model, held_out, device)
-                    self.report.rounds.append(record)
-                    self.report.outer_steps = opt.outer_step
-                    self.report.final_eval_loss = record["eval_loss"]
-                    self._write_report()
+                    eval_loss = self._evaluate(model, held_out, device)  # on every rank: a sharded forward
                     model.train()
-                if time.monotonic() - last_log >= cfg.log_interval_s or opt.outer_step != synced_before:
+                    self.report.outer_steps = opt.outer_step
+                    self.report.final_eval_loss = eval_loss
+                    if ranks.leader:
+                        data_state = batches.state_dict()
+                        publish_cursor(self._dht, self.config.run_id, data_state, opt.outer_step)
+                        record = opt.history[-1].to_dict()
+                        record["data_position"] = [data_state["epoch"], data_state["position"]]
+                        record["eval_loss"] = eval_loss
+                        self.report.rounds.append(record)
+                        self._write_report()
+                log_due = time.monotonic() - last_log >= cfg.log_interval_s or opt.outer_step != synced_before
+                if ranks.leader and log_due:
                     self._log_line(opt, loss_value)
                     last_log = time.monotonic()
                 if max_outer and opt.outer_step >= max_outer:

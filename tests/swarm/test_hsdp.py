@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from functools import partial
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import torch
 from p2ptrain.data import ShardedBatches, load_corpus, split_train_val
 from p2ptrain.diloco import DiLoCoOptimizer
 from p2ptrain.model import build_model
+from tests.helpers import assert_all_gone, descendants, start_bootstrap, start_worker, stop_all
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
@@ -122,3 +124,31 @@ def test_sharded_checkpoint_loads_on_another_number_of_ranks(tmp_path):
     assert loaded["counters"] == saved["counters"] == [6, 2]
     for key in ("model", "exp_avg", "global"):
         assert all(torch.equal(a, b) for a, b in zip(saved[key], loaded[key], strict=True)), key
+
+
+def test_join_with_two_ranks_trains_with_a_one_rank_peer(tmp_path):
+    """`p2ptrain join --nproc-per-node 2` (torchrun underneath) and a plain `join` train together from the CLI:
+    both commit every round with the same digests, and no process outlives them."""
+    boot, maddr = start_bootstrap(tmp_path)
+    args = ["--local-steps", "20", "--max-outer-steps", "3", "--num-shards", "2", "--target-group-size", "2",
+            "--no-group-policy", "wait", "--batch-size", "4"]
+    two = start_worker(tmp_path, 0, maddr, "hsdp-cli", *args, "--shard-index", "0", "--nproc-per-node", "2")
+    one = start_worker(tmp_path, 1, maddr, "hsdp-cli", *args, "--shard-index", "1")
+    try:
+        children = []
+        for _ in range(100):  # torchrun, its 2 ranks, the leader's DHT, averager and p2pd
+            children = descendants(two)
+            if len(children) >= 5:
+                break
+            time.sleep(0.2)
+        for i, proc in enumerate((two, one)):
+            assert proc.wait(timeout=240) == 0, (tmp_path / f"w{i}.log").read_text()[-4000:]
+        assert_all_gone(children)
+    finally:
+        stop_all([two, one, boot])
+    reports = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in (0, 1)]
+    for report in reports:
+        assert report["outer_steps"] == 3 and [r["group_size"] for r in report["rounds"]] == [2, 2, 2]
+    assert [r["digest"] for r in reports[0]["rounds"]] == [r["digest"] for r in reports[1]["rounds"]]
+    assert reports[0]["final_eval_loss"] == reports[1]["final_eval_loss"]
+    assert reports[0]["final_eval_loss"] < reports[0]["initial_eval_loss"]
