@@ -272,7 +272,7 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
     if nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
         from p2ptrain.hsdp import multi_rank_problem
 
-        problem = multi_rank_problem(config.train, nproc_per_node, resume)
+        problem = multi_rank_problem(config.train, nproc_per_node)
         if problem:
             raise BadInput(problem)
         _exec_torchrun(nproc_per_node)  # does not return: torchrun starts the ranks, each runs this command

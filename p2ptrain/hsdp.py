@@ -55,11 +55,8 @@ class LocalRanks:
         return self.rank == 0
 
 
-def multi_rank_problem(train, nproc: int, resume: bool) -> str:
+def multi_rank_problem(train, nproc: int) -> str:
     """Why this training config (``RunConfig.train``) cannot run as a peer of ``nproc`` ranks, or an empty string."""
-    if resume or train.checkpoint_dir:
-        return ("--checkpoint-dir and --resume do not work with --nproc-per-node > 1 yet; drop them or use "
-                "--nproc-per-node 1")
     if train.batch_size % nproc:
         return f"--batch-size {train.batch_size} does not split over {nproc} ranks; use a multiple of {nproc}"
     if train.shard_size is not None and nproc % train.shard_size:
@@ -227,18 +224,20 @@ class ShardedDiLoCo:
 
     # ------------------------------------------------------------------------------------- sharded checkpoints
 
-    def save_checkpoint(self, directory: str | Path, model: torch.nn.Module) -> Path:
+    def save_checkpoint(self, directory: str | Path, model: torch.nn.Module, extra: Optional[dict] = None) -> Path:
         """Write a checkpoint that any number of ranks can load (``torch.distributed.checkpoint``): every rank
         writes its shards of the model and of the inner optimizer's state into ``<directory>/step-<outer>-<local>``,
         the leader adds its DiLoCo state (global parameters, outer momentum, counters) and then, after every rank
         finished, points ``<directory>/latest`` at it (atomically) and removes the previous one. A crash mid-write
-        leaves ``latest`` on the previous, complete checkpoint. Call on every rank."""
+        leaves ``latest`` on the previous, complete checkpoint. ``extra`` (the leader's) is stored beside the DiLoCo
+        state and read back by ``read_checkpoint_meta``. Call on every rank."""
         directory = Path(directory)
         target = directory / f"step-{self.outer_step}-{self.local_step}"
         model_state, optim_state = get_state_dict(model, self.inner)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(target / "shards"))
         if self.is_leader:
-            save_checkpoint(target / "diloco.pt", {"diloco": self.diloco.state_dict(), "ranks": dist.get_world_size()})
+            save_checkpoint(target / "diloco.pt", {**(extra or {}), "diloco": self.diloco.state_dict(),
+                                                   "ranks": dist.get_world_size()})
         dist.barrier()
         if self.is_leader:
             previous = _latest(directory)
@@ -288,3 +287,14 @@ def _latest(directory: Path) -> Optional[Path]:
         return None
     target = directory / pointer.read_text().strip()
     return target if target.is_dir() else None
+
+
+def read_checkpoint_meta(directory: str | Path) -> dict:
+    """What ``save_checkpoint(extra=...)`` stored with the latest sharded checkpoint in ``directory`` (plus "ranks"):
+    readable before any process group exists, to check a resume against the config."""
+    target = _latest(Path(directory))
+    if target is None:
+        raise CheckpointError(f"no sharded checkpoint in {directory} (no 'latest' file); drop --resume to start fresh")
+    state = load_checkpoint(target / "diloco.pt")
+    state.pop("diloco", None)
+    return state

@@ -32,6 +32,7 @@ from p2ptrain.hsdp import (
     broadcast_object,
     init_ranks,
     multi_rank_problem,
+    read_checkpoint_meta,
     shard_model,
 )
 from p2ptrain.model import build_model, model_config
@@ -122,10 +123,10 @@ class Worker:
         device = pick_device(train_cfg.device)
         # read the data and the checkpoint before joining: bad input must fail before any process is started
         train_bytes, val_bytes = split_train_val(load_corpus(train_cfg.data or None))
-        resumed = self._load_resume_state() if self.resume else None
         ranks = self.ranks = LocalRanks.from_env()
+        resumed = self._load_resume_state() if self.resume else None
         if ranks.world > 1:
-            problem = multi_rank_problem(train_cfg, ranks.world, self.resume)  # the CLI checked it before torchrun
+            problem = multi_rank_problem(train_cfg, ranks.world)  # the CLI checked it before starting torchrun
             if problem:
                 raise ConfigError(problem)
             if not ranks.leader:
@@ -309,7 +310,10 @@ class Worker:
         cfg = self.config
         if not cfg.train.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir: the folder the previous run wrote its checkpoint to")
-        state = load_checkpoint(checkpoint_path(cfg.train.checkpoint_dir, cfg.run_id))
+        if self.ranks.world > 1:
+            state = read_checkpoint_meta(self._sharded_checkpoint_dir())
+        else:
+            state = load_checkpoint(checkpoint_path(cfg.train.checkpoint_dir, cfg.run_id))
         for key, expected in (("run_id", cfg.run_id), ("model", cfg.train.model), ("num_shards", cfg.train.num_shards)):
             if state.get(key) != expected:
                 raise ConfigError(
@@ -318,9 +322,16 @@ class Worker:
                 )
         return state
 
-    def _restore(self, state: dict, model, opt: DiLoCoOptimizer, batches: ShardedBatches) -> None:
-        model.load_state_dict(state["model_state"])
-        opt.load_state_dict(state["optimizer"])
+    def _sharded_checkpoint_dir(self) -> Path:
+        """Where a peer of several ranks keeps its sharded checkpoints (a 1-rank peer writes <run-id>.pt)."""
+        return Path(self.config.train.checkpoint_dir) / f"{self.config.run_id}-sharded"
+
+    def _restore(self, state: dict, model, opt, batches: ShardedBatches) -> None:
+        if isinstance(opt, ShardedDiLoCo):
+            opt.load_checkpoint(self._sharded_checkpoint_dir(), model)
+        else:
+            model.load_state_dict(state["model_state"])
+            opt.load_state_dict(state["optimizer"])
         batches.load_state_dict(state["data"])
         self.report.outer_steps = opt.outer_step
         self.report.local_steps = opt.local_step
@@ -334,17 +345,19 @@ class Worker:
         if not directory or self._checkpoint_parts is None:
             return
         model, opt, batches = self._checkpoint_parts
-        path = checkpoint_path(directory, self.config.run_id)
+        meta = {
+            "run_id": self.config.run_id,
+            "model": self.config.train.model,
+            "num_shards": self.config.train.num_shards,
+            "shard_index": self.report.shard_index,
+            "data": batches.state_dict(),
+        }
         try:
-            save_checkpoint(path, {
-                "run_id": self.config.run_id,
-                "model": self.config.train.model,
-                "num_shards": self.config.train.num_shards,
-                "shard_index": self.report.shard_index,
-                "model_state": model.state_dict(),
-                "optimizer": opt.state_dict(),
-                "data": batches.state_dict(),
-            })
+            if isinstance(opt, ShardedDiLoCo):  # every rank writes its shards; a collective
+                path = opt.save_checkpoint(self._sharded_checkpoint_dir(), model, extra=meta)
+            else:
+                path = checkpoint_path(directory, self.config.run_id)
+                save_checkpoint(path, {**meta, "model_state": model.state_dict(), "optimizer": opt.state_dict()})
             logger.info(f"[{self.report.peer_id}] checkpoint written to {path} ({why})")
         except OSError as e:  # a full disk must not kill training: the previous checkpoint stays valid
             logger.error(f"[{self.report.peer_id}] could not write the checkpoint {path}: {e}")

@@ -22,7 +22,7 @@ import torch
 from p2ptrain.data import ShardedBatches, load_corpus, split_train_val
 from p2ptrain.diloco import DiLoCoOptimizer
 from p2ptrain.model import build_model
-from tests.helpers import assert_all_gone, descendants, start_bootstrap, start_worker, stop_all
+from tests.helpers import assert_all_gone, descendants, p2ptrain, start_bootstrap, start_worker, stop_all
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
@@ -152,3 +152,21 @@ def test_join_with_two_ranks_trains_with_a_one_rank_peer(tmp_path):
     assert [r["digest"] for r in reports[0]["rounds"]] == [r["digest"] for r in reports[1]["rounds"]]
     assert reports[0]["final_eval_loss"] == reports[1]["final_eval_loss"]
     assert reports[0]["final_eval_loss"] < reports[0]["initial_eval_loss"]
+
+
+def test_join_with_two_ranks_checkpoints_and_resumes(tmp_path):
+    """A 2-rank peer alone writes sharded checkpoints; `join --resume` continues from the last one."""
+    args = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id", "hsdp-resume", "--nproc-per-node", "2",
+            "--local-steps", "5", "--matchmaking-time", "1", "--batch-size", "4", "--threads", "1", "--no-progress",
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1"]
+    first = p2ptrain("join", *args, "--max-outer-steps", "2", "--report", str(tmp_path / "first.json"), timeout=240)
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert (tmp_path / "ckpt" / "hsdp-resume-sharded" / "latest").is_file()
+    second = p2ptrain("join", *args, "--max-outer-steps", "3", "--resume", "--report", str(tmp_path / "second.json"),
+                      timeout=240)
+    assert second.returncode == 0, second.stderr[-4000:]
+    before = json.loads((tmp_path / "first.json").read_text())
+    after = json.loads((tmp_path / "second.json").read_text())
+    assert "resumed from the checkpoint at outer step 2" in second.stderr
+    assert [r["outer_step"] for r in after["rounds"]] == [3]
+    assert after["rounds"][0]["data_position"] > before["rounds"][-1]["data_position"]

@@ -41,7 +41,6 @@ def free_port() -> int:
         (["join", "--initial-peers", "/ip4/127.0.0.1/tcp/4001"], ["has no /p2p/<peer id>"]),
         (["join", "--model", "gigantic"], ["train.model 'gigantic' is unknown", "tiny"]),
         (["join", "--data", "/nonexistent/corpus"], ["/nonexistent/corpus"]),
-        (["join", "--nproc-per-node", "2", "--checkpoint-dir", "/tmp/x"], ["--checkpoint-dir", "--nproc-per-node 1"]),
         (["join", "--nproc-per-node", "3", "--batch-size", "16"], ["--batch-size 16", "multiple of 3"]),
         (["join", "--nproc-per-node", "4", "--shard-size", "3"], ["--shard-size 3", "divisor"]),
         (["join", "--nproc-per-node", "0"], ["--nproc-per-node"]),
