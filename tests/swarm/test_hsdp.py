@@ -170,3 +170,28 @@ def test_join_with_two_ranks_checkpoints_and_resumes(tmp_path):
     assert "resumed from the checkpoint at outer step 2" in second.stderr
     assert [r["outer_step"] for r in after["rounds"]] == [3]
     assert after["rounds"][0]["data_position"] > before["rounds"][-1]["data_position"]
+
+
+def test_a_dead_rank_takes_its_peer_down_cleanly_and_the_swarm_goes_on(tmp_path):
+    """SIGKILL of rank 1 of a 2-rank peer: the leader's collectives fail, it shuts its hivemind processes down and
+    torchrun exits with an error, leaving no process behind; the other peer of the swarm trains on."""
+    boot, maddr = start_bootstrap(tmp_path)
+    args = ["--local-steps", "20", "--max-outer-steps", "4", "--num-shards", "2", "--no-group-policy", "apply_local",
+            "--matchmaking-time", "2", "--batch-size", "4"]
+    two = start_worker(tmp_path, 0, maddr, "rank-death", *args, "--shard-index", "0", "--nproc-per-node", "2")
+    one = start_worker(tmp_path, 1, maddr, "rank-death", *args, "--shard-index", "1")
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "w0.json").exists() or json.loads((tmp_path / "w0.json").read_text())["outer_steps"] < 1:
+            assert time.monotonic() < deadline and two.poll() is None, (tmp_path / "w0.log").read_text()[-3000:]
+            time.sleep(0.2)
+        tree = descendants(two)
+        rank1 = [p for p in tree if p.name() == "python" and p.environ().get("LOCAL_RANK") == "1"]
+        assert len(rank1) == 1 and any(p.name() == "p2pd" for p in tree), [(p.pid, p.name()) for p in tree]
+        rank1[0].kill()
+        assert two.wait(timeout=60) != 0, "torchrun must report the peer's failure"
+        assert_all_gone(tree, timeout_s=20)
+        assert one.wait(timeout=200) == 0, (tmp_path / "w1.log").read_text()[-3000:]
+    finally:
+        stop_all([two, one, boot])
+    assert json.loads((tmp_path / "w1.json").read_text())["outer_steps"] == 4
