@@ -273,17 +273,15 @@ class Worker:
         """Continue this shard where the swarm's training of it got to, if that is ahead of us: its previous owner
         left or died (or we resumed from an older checkpoint). Cursors from a later outer step than ours are from an
         earlier run under the same run id, and are ignored."""
+        state = self._take_shard_cursor(dht, opt, batches) if self.ranks.leader else None
         if self.ranks.world > 1:
-            state = broadcast_object(self._shard_cursor(dht, opt, batches) if self.ranks.leader else None)
-            if state is not None:
+            state = broadcast_object(state)
+            if state is not None and not self.ranks.leader:
                 batches.load_state_dict(state)
-            return
-        state = self._shard_cursor(dht, opt, batches)
-        if state is not None:
-            batches.load_state_dict(state)
 
-    def _shard_cursor(self, dht, opt, batches: ShardedBatches) -> Optional[dict]:
-        """The data position to continue this shard from (a ``ShardedBatches`` state), or None."""
+    def _take_shard_cursor(self, dht, opt, batches: ShardedBatches) -> Optional[dict]:
+        """Move ``batches`` to the shard's published cursor if it applies; returns that position (a
+        ``ShardedBatches`` state) for the other ranks, or None."""
         cursor = fetch_cursor(dht, self.config.run_id, batches.shard_index)
         if cursor is None or (cursor.epoch, cursor.position) <= (batches.epoch, batches.position):
             return None
@@ -294,7 +292,7 @@ class Worker:
             return None
         state = cursor_state(cursor)
         try:
-            batches.load_state_dict(state)  # validates it against this iterator's data layout
+            batches.load_state_dict(state)  # refuses a position from another data layout
         except ValueError as e:
             logger.warning(f"[{peer}] ignoring the data cursor of shard {batches.shard_index}: {e}")
             return None
