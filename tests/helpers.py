@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -78,3 +79,22 @@ def stop_all(procs: List[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def report(tmp_path: Path, i: int) -> dict:
+    """Worker ``i``'s `--report` (rewritten after every sync), or {} before it first wrote one."""
+    path = tmp_path / f"w{i}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def wait_until(condition, what: str, timeout_s: float, procs=()) -> float:
+    """Poll ``condition`` until it holds and return when it did (time.time()); fail if it does not within
+    ``timeout_s`` or if one of the (name, process) pairs in ``procs`` exits meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return time.time()
+        for name, proc in procs:
+            assert proc.poll() is None, f"{name} exited with {proc.returncode} while waiting for: {what}"
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for: {what}")

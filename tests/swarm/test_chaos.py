@@ -19,7 +19,6 @@ eval loss is within 5% of the same swarm's without faults (run first, same seeds
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import time
@@ -30,7 +29,7 @@ import psutil
 import pytest
 
 from p2ptrain.checkpoint import checkpoint_path, load_checkpoint
-from tests.helpers import descendants, start_bootstrap, start_worker, stop_all
+from tests.helpers import descendants, report, start_bootstrap, start_worker, stop_all, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
 
@@ -44,23 +43,6 @@ def swarm_args(i: int, max_outer_steps: int = OUTER_STEPS) -> List[str]:
     return ["--local-steps", "20", "--max-outer-steps", str(max_outer_steps), "--num-shards", "4",
             "--shard-index", str(i), "--matchmaking-time", str(MATCHMAKING_S),
             "--averaging-timeout", str(AVERAGING_TIMEOUT_S), "--no-group-policy", "wait", "--log-interval", "2"]
-
-
-def report(tmp_path: Path, i: int) -> dict:
-    path = tmp_path / f"w{i}.json"
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def wait_until(condition, what: str, timeout_s: float, procs=()) -> float:
-    """Poll ``condition`` until it holds; returns when it did (time.time())."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return time.time()
-        for name, proc in procs:
-            assert proc.poll() is None, f"{name} exited with {proc.returncode} while waiting for: {what}"
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for: {what}")
 
 
 def outer_step(tmp_path: Path, i: int) -> int:

@@ -7,31 +7,15 @@ from the other donor, take the same state, and then average with the swarm on th
 
 from __future__ import annotations
 
-import json
-import time
 
 import pytest
 
-from tests.helpers import start_bootstrap, start_worker, stop_all
+from tests.helpers import report, start_bootstrap, start_worker, stop_all, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
 ARGS = ["--local-steps", "20", "--num-shards", "4", "--matchmaking-time", "2", "--averaging-timeout", "10",
         "--no-group-policy", "wait", "--log-interval", "2"]
-
-
-def report(tmp_path, i: int) -> dict:
-    path = tmp_path / f"w{i}.json"
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def wait_for(condition, what: str, timeout_s: float, procs) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
-        for i, proc in procs.items():
-            assert proc.poll() is None, f"worker {i} exited with {proc.returncode} while waiting for: {what}"
-        time.sleep(0.1)
 
 
 def test_two_simultaneous_newcomers_resume_past_a_dying_donor(tmp_path):
@@ -42,7 +26,8 @@ def test_two_simultaneous_newcomers_resume_past_a_dying_donor(tmp_path):
                         env={"P2PTRAIN_FAULT": "kill-mid-state-transfer:2"}),
     }
     try:
-        wait_for(lambda: report(tmp_path, 0).get("outer_steps", 0) >= 2, "the donors reach outer step 2", 120, procs)
+        wait_until(lambda: report(tmp_path, 0).get("outer_steps", 0) >= 2, "the donors reach outer step 2", 120,
+                   procs=[(f"worker {i}", proc) for i, proc in procs.items()])
         for i in (2, 3):  # at the same moment
             procs[i] = start_worker(tmp_path, i, maddr, "transfer", *ARGS, "--shard-index", str(i),
                                     "--max-outer-steps", "6")
