@@ -72,8 +72,11 @@ class WorkerReport:
     """seconds from start to the first inner step: joining the DHT, building the model, taking the state"""
     stopped_by: str = ""
     """"max_outer_steps" or "signal" """
+    start_outer_step: Optional[int] = None
+    """outer step of the state this peer started training from (after any checkpoint and state download)"""
     rounds: List[Dict[str, Any]] = field(default_factory=list)
-    """one entry per sync: SyncRecord fields plus the eval loss right after it"""
+    """one entry per sync: SyncRecord fields plus the eval loss right after it and the shard position. A round
+    joined with weight 0 while taking the swarm's state at start is one too (``caught_up``)"""
 
     def to_dict(self) -> Dict[str, Any]:
         return dict(self.__dict__)
@@ -191,9 +194,13 @@ class Worker:
                 opt.interrupt()
             if resumed is not None:
                 self._restore(resumed, model, opt, batches)
-            self._catch_up(opt)
+            joined_rounds = self._catch_up(opt)
             self._continue_shard(dht, opt, batches)
             self.report.initial_eval_loss = self._evaluate(model, held_out, device)
+            self.report.start_outer_step = opt.outer_step
+            if ranks.leader:
+                for record in joined_rounds:
+                    self._report_round(record, batches, self.report.initial_eval_loss)
             logger.info(
                 f"[{self.report.peer_id}] model {train_cfg.model} ({self.report.num_parameters:,} parameters) on "
                 f"{device} x {ranks.world} rank(s), shard {shard_index}/{train_cfg.num_shards}, "
@@ -247,16 +254,17 @@ class Worker:
         except OSError as e:  # a report is not worth stopping training for
             logger.error(f"[{self.report.peer_id}] could not write the report {path}: {e}")
 
-    def _catch_up(self, opt) -> None:
+    def _catch_up(self, opt) -> list:
         """A peer that starts behind the swarm (joining mid-run, resuming late) takes the state from live peers
-        first, so it never averages a pseudo-gradient computed from stale parameters."""
-        started = time.monotonic()
+        first, so it never averages a pseudo-gradient computed from stale parameters. Returns the SyncRecords of
+        the rounds it joined meanwhile (on the leader)."""
+        started, records_before = time.monotonic(), len(opt.history)
         if isinstance(opt, ShardedDiLoCo):
             caught_up = opt.catch_up_if_behind()
         else:
             swarm_outer_step = opt.swarm_outer_step()
             if swarm_outer_step <= opt.outer_step:
-                return
+                return []
             logger.info(f"[{self.report.peer_id}] the swarm is at outer step {swarm_outer_step}, this peer at "
                         f"{opt.outer_step}: taking the state from live peers")
             caught_up = opt.catch_up()
@@ -268,6 +276,14 @@ class Worker:
             self.report.local_steps = opt.local_step
             self.report.state_download_s = time.monotonic() - started
             self.report.state_download = opt.last_download
+        return [r for r in opt.history[records_before:] if r.averaged]
+
+    def _report_round(self, record, batches: ShardedBatches, eval_loss: float) -> None:
+        entry = record.to_dict()
+        entry["data_position"] = [batches.epoch, batches.position]
+        entry["eval_loss"] = eval_loss
+        self.report.rounds.append(entry)
+        self._write_report()
 
     def _continue_shard(self, dht, opt: DiLoCoOptimizer, batches: ShardedBatches) -> None:
         """Continue this shard where the swarm's training of it got to, if that is ahead of us: its previous owner
@@ -416,13 +432,8 @@ class Worker:
                     self.report.outer_steps = opt.outer_step
                     self.report.final_eval_loss = eval_loss
                     if ranks.leader:
-                        data_state = batches.state_dict()
-                        publish_cursor(self._dht, self.config.run_id, data_state, opt.outer_step)
-                        record = opt.history[-1].to_dict()
-                        record["data_position"] = [data_state["epoch"], data_state["position"]]
-                        record["eval_loss"] = eval_loss
-                        self.report.rounds.append(record)
-                        self._write_report()
+                        publish_cursor(self._dht, self.config.run_id, batches.state_dict(), opt.outer_step)
+                        self._report_round(opt.history[-1], batches, eval_loss)
                 log_due = time.monotonic() - last_log >= cfg.log_interval_s or opt.outer_step != synced_before
                 if ranks.leader and log_due:
                     self._log_line(opt, loss_value)

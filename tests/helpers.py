@@ -98,3 +98,9 @@ def wait_until(condition, what: str, timeout_s: float, procs=()) -> float:
             assert proc.poll() is None, f"{name} exited with {proc.returncode} while waiting for: {what}"
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for: {what}")
+
+
+def own_round(record: dict, min_group_size: int = 2) -> bool:
+    """A report round in which the peer averaged its own pseudo-gradient with at least ``min_group_size`` peers
+    (not a round it joined with weight 0 while taking the swarm's state)."""
+    return record["averaged"] and not record["caught_up"] and record["group_size"] >= min_group_size

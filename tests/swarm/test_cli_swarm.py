@@ -12,12 +12,15 @@ from tests.helpers import (
     LOOPBACK,
     assert_all_gone,
     descendants,
+    own_round,
     p2ptrain,
+    report,
     spawn,
     start_bootstrap,
     start_worker,
     stop_all,
     wait_for_file,
+    wait_until,
 )
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
@@ -76,13 +79,13 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
 
         assert status(maddr, "clitest")["peers"] == [], "peers that left cleanly must leave the listing at once"
 
-        reports = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2)]
+        reports = [report(tmp_path, i) for i in range(2)]
         assert {r["shard_index"] for r in reports} == {0, 1}, "peers must claim different data shards"
-        for report in reports:
-            assert report["stopped_by"] == "signal"
-            assert report["outer_steps"] >= 2
+        for peer in reports:
+            assert peer["stopped_by"] == "signal"
+            assert peer["outer_steps"] >= 2
             # every sync before the signal paired up; one in flight when both peers left may not have
-            assert all(r["group_size"] == 2 for r in report["rounds"][:synced_before_signal]), report["rounds"]
+            assert all(r["group_size"] == 2 for r in peer["rounds"][:synced_before_signal]), peer["rounds"]
         assert "Traceback" not in (tmp_path / "w0.log").read_text()
     finally:
         for w in workers:
@@ -180,9 +183,9 @@ def test_training_survives_the_bootstrap_peer(tmp_path):
         for i, w in enumerate(workers):
             assert w.wait(timeout=150) == 0, (tmp_path / f"w{i}.log").read_text()
         for i in range(2):
-            report = json.loads((tmp_path / f"w{i}.json").read_text())
-            assert report["outer_steps"] == 5
-            assert [r["group_size"] for r in report["rounds"]] == [2] * 5, report["rounds"]
+            rounds = report(tmp_path, i)["rounds"]
+            assert report(tmp_path, i)["outer_steps"] == 5
+            assert [r["group_size"] for r in rounds] == [2] * 5, rounds
     finally:
         stop_all([*workers, boot])
 
@@ -206,8 +209,10 @@ def test_newcomer_mid_run_takes_the_state_and_joins_rounds(tmp_path):
             time.sleep(1)
         start(2)
         wait_for_log(tmp_path / "w2.log", "took the swarm's state", workers[2], timeout_s=90)
-        # the newcomer must then average with the others: wait for one of its syncs with a group of 3
-        wait_for_log(tmp_path / "w2.log", "sync: group_size=3", workers[2], timeout_s=90)
+        # the newcomer must then average its own pseudo-gradient with the others, in a group of 3 (a round it
+        # joined with weight 0 while taking the state does not count)
+        wait_until(lambda: any(own_round(r, 3) for r in report(tmp_path, 2).get("rounds", [])),
+                   "the newcomer averages in a group of 3", 90, procs=[("newcomer", workers[2])])
         for w in workers:
             w.send_signal(signal.SIGINT)
         for i, w in enumerate(workers):
@@ -215,14 +220,12 @@ def test_newcomer_mid_run_takes_the_state_and_joins_rounds(tmp_path):
         old, new = (json.loads((tmp_path / f"w{i}.json").read_text()) for i in (0, 2))
         assert new["state_download_s"] is not None
         # nobody ever averaged a pseudo-gradient from another outer step than the rest of its group
-        for report in (old, new):
-            for r in report["rounds"]:
+        for peer in (old, new):
+            for r in peer["rounds"]:
                 assert len(set(r["group_outer_steps"])) <= 1, r
-        assert any(r["group_size"] == 3 and r["averaged"] for r in new["rounds"])
-        # the outer step whose state it downloaded (a late round may have made it download once more)
-        joined_at = new["rounds"][0]["outer_step"] - 1 if not new["rounds"][0]["caught_up"] else None
-        joined_at = joined_at if joined_at is not None else new["rounds"][0]["outer_step"]
-        swarm_loss = next(r["eval_loss"] for r in old["rounds"] if r["outer_step"] == joined_at)
+        assert any(own_round(r, 3) for r in new["rounds"])
+        # the state it started training from (downloaded, plus a round it may have joined with weight 0)
+        swarm_loss = next(r["eval_loss"] for r in old["rounds"] if r["outer_step"] == new["start_outer_step"])
         # its first eval is the swarm's model, not a fresh one (ln 256 = 5.55)
         assert abs(new["initial_eval_loss"] - swarm_loss) <= 0.1 * swarm_loss, (new["initial_eval_loss"], swarm_loss)
     finally:
