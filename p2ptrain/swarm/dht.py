@@ -10,6 +10,8 @@ import hivemind
 from hivemind.p2p import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
+from p2ptrain.lifeline import follow_parent
+
 logger = logging.getLogger(__name__)
 
 
@@ -54,6 +56,14 @@ def check_maddrs(maddrs: Sequence[str], option: str, *, need_peer_id: bool = Fal
             )
 
 
+class FollowingDHT(hivemind.DHT):
+    """hivemind's DHT process, which exits (taking its p2pd along) when the process that started it is gone."""
+
+    def run(self) -> None:
+        follow_parent()
+        super().run()
+
+
 def start_dht(config: SwarmConfig) -> hivemind.DHT:
     """Start this peer's DHT and join the swarm through ``initial_peers``; raise SwarmError if that fails.
 
@@ -63,7 +73,7 @@ def start_dht(config: SwarmConfig) -> hivemind.DHT:
     check_maddrs(config.host_maddrs, "--host-maddrs")
     check_maddrs(config.announce_maddrs, "--announce-maddrs")
 
-    dht = hivemind.DHT(
+    dht = FollowingDHT(
         initial_peers=config.initial_peers,
         host_maddrs=config.host_maddrs,
         announce_maddrs=config.announce_maddrs or None,

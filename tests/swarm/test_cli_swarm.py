@@ -162,6 +162,21 @@ def test_second_signal_forces_exit_without_orphans(tmp_path):
     assert_all_gone(children)
 
 
+def test_sigkilled_peer_leaves_no_orphans(tmp_path):
+    # nothing in the peer can clean up after kill -9: its DHT and averager processes notice and follow it out
+    boot, _ = start_bootstrap(tmp_path)
+    proc, log = lone_waiting_worker(tmp_path, "killed")
+    try:
+        for victim in (proc, boot):
+            children = descendants(victim)
+            assert any(c.name() == "p2pd" for c in children), children
+            victim.kill()
+            victim.wait(timeout=10)
+            assert_all_gone(children, timeout_s=10)
+    finally:
+        stop_all([proc, boot])
+
+
 def test_training_survives_the_bootstrap_peer(tmp_path):
     """Once workers found each other, the bootstrap host can vanish (kill -9 of its whole process tree)."""
     boot, maddr = start_bootstrap(tmp_path)

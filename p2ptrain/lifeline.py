@@ -1,0 +1,50 @@
+"""Child processes that follow their parent out.
+
+A peer's main process owns hivemind's DHT and averager processes, and the DHT process owns p2pd. A clean exit shuts
+them down in order; a SIGKILLed or crashed main process cannot, and they would live on as orphans (holding ports,
+shared memory and a DHT identity). Each of those child processes therefore runs :func:`follow_parent`: a thread that
+notices when its parent is gone and takes the child, and everything the child started, down with it.
+
+Polling ``getppid`` is used rather than ``PR_SET_PDEATHSIG``: that signal fires when the *thread* that forked the
+child exits, and hivemind's processes are started from worker threads as well as the main one.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import psutil
+
+POLL_S = 0.5
+TERM_GRACE_S = 2.0
+
+
+def follow_parent(poll_s: float = POLL_S) -> None:
+    """In a child process: exit (after stopping this process's own children) as soon as the parent is gone."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        stop_descendants()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="p2ptrain-follow-parent", daemon=True).start()
+
+
+def stop_descendants(grace_s: float = TERM_GRACE_S) -> None:
+    """SIGTERM every descendant of this process (a chance to exit cleanly), SIGKILL those left after ``grace_s``."""
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=grace_s)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
