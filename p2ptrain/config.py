@@ -86,6 +86,11 @@ class TrainConfig:
     shard_size: Optional[int] = None
     """with several ranks per peer (join --nproc-per-node): ranks that shard the model (FSDP2); the rest replicate
     it (HSDP). Unset: all ranks shard"""
+    activation_checkpointing: bool = False
+    """recompute each block's activations in the backward pass instead of keeping them: less memory, ~1/3 more
+    compute"""
+    memory_check: bool = True
+    """at start-up, refuse to train when the estimated memory (per rank, host, /dev/shm) exceeds what is free"""
     device: str = "auto"
     """auto, cpu or cuda (bf16 autocast on CUDA)"""
     max_outer_steps: Optional[int] = None

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -132,6 +133,9 @@ class GPT(nn.Module):
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.activation_checkpointing = False
+        """in training, keep only each block's input and recompute its activations in the backward pass: less
+        memory for about one more forward pass of compute"""
         # weight tying: the byte embedding and the output projection share one (vocab, n_embd) matrix
         self.transformer.wte.weight = self.lm_head.weight
 
@@ -174,7 +178,10 @@ class GPT(nn.Module):
         pos_emb = self.transformer.wpe(pos)  # (T, n_embd)
         x = self.transformer.drop(tok_emb + pos_emb)
         for block in self.transformer.h:
-            x = block(x)
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         x = self.transformer.ln_f(x)
         logits = self.lm_head(x)  # (B, T, vocab_size)
 

@@ -21,11 +21,10 @@ import hivemind
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from p2ptrain.data import ShardedBatches, load_corpus, split_train_val
 from p2ptrain.diloco import DiLoCoOptimizer
-from p2ptrain.hsdp import ShardedDiLoCo
+from p2ptrain.hsdp import ShardedDiLoCo, shard_model
 from p2ptrain.model import build_model
 
 BATCH = 4
@@ -48,6 +47,7 @@ def main() -> None:
     parser.add_argument("--syncs", type=int, default=3)
     parser.add_argument("--local-steps", type=int, default=5)
     parser.add_argument("--compression", default="none")
+    parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--save", default=None, help="after training, write a sharded checkpoint here")
     parser.add_argument("--load", default=None, help="before training, load the sharded checkpoint from here")
     args = parser.parse_args()
@@ -56,9 +56,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
     model = build_model("tiny", seed=0)
-    for block in model.transformer.h:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model.activation_checkpointing = args.activation_checkpointing
+    shard_model(model, mesh)
 
     dht = None
     diloco = None
