@@ -139,6 +139,10 @@ RUN_OPTIONS: List[Tuple[str, str, Dict[str, Any]]] = [
      dict(type=click.IntRange(min=0), help="Train on this shard; default: claim a free one.")),
     ("--shard-size", "train.shard_size",
      dict(type=click.IntRange(min=1), help="With --nproc-per-node: ranks that shard the model (default: all).")),
+    ("--activation-checkpointing/--no-activation-checkpointing", "train.activation_checkpointing",
+     dict(help="Recompute activations in the backward pass: less memory, ~1/3 more compute.")),
+    ("--memory-check/--no-memory-check", "train.memory_check",
+     dict(help="Refuse to start when the model will not fit in the free memory (estimated).")),
     ("--device", "train.device", dict(help="auto, cpu, cuda or cuda:N (bf16 autocast on CUDA).")),
     ("--max-outer-steps", "train.max_outer_steps",
      dict(type=click.IntRange(min=1), help="Leave cleanly after this many syncs; default: until stopped.")),
@@ -270,9 +274,9 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
 
     config = load_run_config(ctx, config_path, params)
     if nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
-        from p2ptrain.hsdp import multi_rank_problem
+        from p2ptrain.hsdp import gpu_count_problem, multi_rank_problem
 
-        problem = multi_rank_problem(config.train, nproc_per_node)
+        problem = multi_rank_problem(config.train, nproc_per_node) or gpu_count_problem(config.train, nproc_per_node)
         if problem:
             raise BadInput(problem)
         _exec_torchrun(nproc_per_node)  # does not return: torchrun starts the ranks, each runs this command

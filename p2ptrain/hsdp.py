@@ -64,6 +64,17 @@ def multi_rank_problem(train, nproc: int) -> str:
     return ""
 
 
+def gpu_count_problem(train, nproc: int) -> str:
+    """Why ``nproc`` ranks cannot each have a GPU of their own on this host (CUDA devices only), or ''."""
+    if not (train.device.startswith("cuda") or (train.device == "auto" and torch.cuda.is_available())):
+        return ""
+    gpus = torch.cuda.device_count()
+    if nproc > gpus:
+        return (f"--nproc-per-node {nproc} needs {nproc} GPUs but this host has {gpus}; use --nproc-per-node "
+                f"{max(gpus, 1)} or --device cpu")
+    return ""
+
+
 def init_ranks(ranks: LocalRanks, device: torch.device, shard_size: Optional[int]):
     """Start the process group and the (replicate, shard) mesh; ``shard_size`` ranks shard the model (default:
     all of them), the rest replicate it."""
@@ -71,6 +82,9 @@ def init_ranks(ranks: LocalRanks, device: torch.device, shard_size: Optional[int
     if shard < 1 or ranks.world % shard:
         raise ConfigError(f"--shard-size {shard} does not divide the peer's {ranks.world} ranks; use a divisor")
     if device.type == "cuda":
+        if ranks.local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"local rank {ranks.local_rank} has no GPU: this host has {torch.cuda.device_count()}; "
+                              "start at most that many ranks per node")
         torch.cuda.set_device(ranks.local_rank)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return init_device_mesh(device.type, (ranks.world // shard, shard), mesh_dim_names=("replicate", "shard"))

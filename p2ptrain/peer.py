@@ -35,6 +35,7 @@ from p2ptrain.hsdp import (
     read_checkpoint_meta,
     shard_model,
 )
+from p2ptrain.memory import GiB, check_memory
 from p2ptrain.model import build_model, model_config
 from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht, visible_maddrs
 from p2ptrain.swarm.progress import ProgressPublisher
@@ -136,6 +137,14 @@ class Worker:
                 logging.getLogger("p2ptrain").setLevel(logging.WARNING)  # the leader speaks for the peer
             mesh = init_ranks(ranks, device, train_cfg.shard_size)
 
+        if train_cfg.memory_check:
+            estimate = check_memory(model_config(train_cfg.model), train_cfg.batch_size, ranks.world,
+                                    train_cfg.shard_size or ranks.world, device,
+                                    train_cfg.activation_checkpointing, leader=ranks.leader)
+            logger.info(f"memory (estimated): {estimate.rank_bytes / GiB:.2f} GiB per rank on {device}, "
+                        f"{estimate.host_bytes / GiB:.2f} GiB on the host, {estimate.shm_bytes / GiB:.2f} GiB in "
+                        "/dev/shm")
+
         dht = self._dht = start_dht(cfg.swarm) if ranks.leader else None
         opt = None
         try:
@@ -155,6 +164,7 @@ class Worker:
             held_out = eval_batches(val_bytes, self._block_size(), train_cfg.batch_size, train_cfg.eval_batches)
 
             model = build_model(train_cfg.model, seed=train_cfg.seed).to(device)
+            model.activation_checkpointing = train_cfg.activation_checkpointing
             self.report.num_parameters = model.num_parameters()
             inner = partial(
                 torch.optim.AdamW,

@@ -44,6 +44,9 @@ def free_port() -> int:
         (["join", "--nproc-per-node", "3", "--batch-size", "16"], ["--batch-size 16", "multiple of 3"]),
         (["join", "--nproc-per-node", "4", "--shard-size", "3"], ["--shard-size 3", "divisor"]),
         (["join", "--nproc-per-node", "0"], ["--nproc-per-node"]),
+        # ~2.3 TiB of activations: refused at start-up with the numbers, before the swarm is joined
+        (["join", "--model", "124m", "--batch-size", "100000"], ["needs about", "GiB", "--activation-checkpointing"]),
+        (["join", "--nproc-per-node", "2", "--device", "cuda", "--batch-size", "2"], ["needs 2 GPUs", "--device cpu"]),
         (["status"], ["--initial-peers"]),
         (["bootstrap", "--host-maddrs", "0.0.0.0:4001"], ["--host-maddrs", "is not a multiaddr"]),
         (["frobnicate"], ["No such command"]),
