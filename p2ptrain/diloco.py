@@ -252,7 +252,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.inner_optimizer.load_state_dict(state_dict["inner"])
+        if state_dict["inner"] is not None:  # None: the caller restores the inner optimizer itself (sharded peers)
+            self.inner_optimizer.load_state_dict(state_dict["inner"])
         self.outer_optimizer.load_state_dict(state_dict["outer"])
         with torch.no_grad():
             for g, saved in zip(self.global_params, state_dict["global_params"], strict=True):

@@ -5,15 +5,19 @@ parameters for its forward and backward and reduce-scatters the gradients). Acro
 of the swarm: only the leader (rank 0) has a DHT identity and a ``DiLoCoOptimizer``. Every ``local_steps`` steps:
 
 1. every rank all-gathers the full parameters, one tensor at a time; the leader copies each into its *proxy*, a
-   full fp32 CPU copy of the model (the other ranks drop it at once);
+   full fp32 CPU copy of the model (the other ranks drop it at once), and the inner AdamW moments the same way
+   into the proxy's optimizer state, which is what the leader serves to newcomers;
 2. the leader's ``DiLoCoOptimizer`` syncs over the proxy as over any model: pseudo-gradient = its global copy minus
    the proxy, average with the swarm, outer step; the proxy becomes the new global parameters;
 3. the leader broadcasts the new global parameters (and the step counters) to the other ranks, and every rank
    copies its own shard out of them.
 
-So a 2-rank peer and a 1-rank peer hold bit-identical global parameters after every round. Memory: the leader's
-host holds four fp32 copies of the full model (proxy, global parameters, outer momentum, averaging buffers), none
-on the GPU; a rank's device holds its shards plus one full parameter at a time during a sync.
+So a 2-rank peer and a 1-rank peer hold bit-identical global parameters after every round. A newcomer made of
+several ranks takes the swarm's state on its leader and every rank copies its shards of the parameters and of the
+AdamW moments out of it (``catch_up_if_behind``). Memory: the leader's host holds six fp32 copies of the full
+model (proxy, its two moments, global parameters, outer momentum, averaging buffers), none on the GPU, plus the
+snapshot a newcomer downloads while one does; a rank's device holds its shards plus one full tensor at a time
+during a sync.
 """
 
 from __future__ import annotations
@@ -115,9 +119,33 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""the inner AdamW's per-parameter state tensors, which state transfers carry"""
+
+
 def _full(p: torch.Tensor) -> torch.Tensor:
     """The full value of a (possibly sharded) parameter; a collective for a DTensor."""
     return p.full_tensor() if isinstance(p, DTensor) else p.detach()
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _like(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``full`` (the same on every rank) laid out like ``p``: this rank's shard of it if ``p`` is a DTensor."""
+    if isinstance(p, DTensor):
+        return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+    return full.clone()
+
+
+def _downloaded_step(proxy_state: dict, proxy: List[torch.Tensor]) -> Optional[float]:
+    """The inner step count of the moments a download left in the proxy's optimizer state, or None if the donor sent
+    none (it had not trained yet, or it was a peer with another inner optimizer)."""
+    first = proxy_state.get(proxy[0], {})
+    if not all(name in first for name in MOMENTS):
+        return None
+    return float(first.get("step", 0.0))
 
 
 class ShardedDiLoCo:
@@ -155,9 +183,19 @@ class ShardedDiLoCo:
                 if self.is_leader:
                     self.proxy.append(torch.nn.Parameter(full.to("cpu", torch.float32, copy=True)))
         if self.is_leader:
-            # the proxy never takes a gradient: this "inner optimizer" only carries the LRs newcomers download
+            # The proxy never takes a gradient or a step: its "inner optimizer" is an AdamW that holds the full
+            # moments of the ranks' inner AdamW as of the last sync (``_gather_moments``), and the LRs, so that a
+            # newcomer downloads them like a 1-rank peer's; and takes them from a donor (``_scatter_moments``).
             lrs = [group["lr"] for group in self.inner.param_groups]
-            self.diloco = diloco(self.proxy, lambda params: torch.optim.SGD(params, lr=lrs[0]))
+
+            def proxy_inner(params):
+                optimizer = torch.optim.AdamW(params, lr=lrs[0])
+                for q in params:
+                    optimizer.state[q] = {name: torch.zeros_like(q) for name in MOMENTS}
+                    optimizer.state[q]["step"] = torch.tensor(0.0)
+                return optimizer
+
+            self.diloco = diloco(self.proxy, proxy_inner)
 
     @property
     def history(self) -> list:
@@ -184,6 +222,7 @@ class ShardedDiLoCo:
         caught_up = broadcast_object(self.diloco.catch_up() if self.is_leader else None)
         if caught_up:
             self.broadcast_global()
+            self._scatter_moments()
         return caught_up
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -211,6 +250,44 @@ class ShardedDiLoCo:
             if self.is_leader:
                 self.proxy[i].copy_(full)
             del full
+        self._gather_moments()
+
+    @torch.no_grad()
+    def _gather_moments(self) -> None:
+        """Copy the ranks' inner AdamW moments (full, one tensor at a time) into the proxy's optimizer state, where
+        the leader serves them to newcomers. Done at every sync: they then belong to the same moment as the global
+        parameters a newcomer starts from. A collective."""
+        proxy_state = self.diloco.inner_optimizer.state if self.is_leader else None
+        for i, p in enumerate(self.params):
+            state = self.inner.state.get(p, {})
+            for name in MOMENTS:
+                if name not in state:  # before the first inner step: nothing to gather (same on every rank)
+                    continue
+                full = _full(state[name])
+                if self.is_leader:
+                    # a download may have left another layout here (a donor that sent no moments)
+                    proxy_state[self.proxy[i]][name] = full.to("cpu", torch.float32, copy=True)
+                del full
+            if self.is_leader and "step" in state:
+                proxy_state[self.proxy[i]]["step"] = torch.as_tensor(state["step"], dtype=torch.float32).clone()
+
+    @torch.no_grad()
+    def _scatter_moments(self) -> None:
+        """Every rank takes its shards of the inner AdamW moments the leader downloaded into the proxy's state (if
+        the donor sent any). A collective."""
+        device = _local(self.params[0]).device
+        proxy_state = self.diloco.inner_optimizer.state if self.is_leader else None
+        step = broadcast_object(_downloaded_step(proxy_state, self.proxy) if self.is_leader else None)
+        if step is None:
+            return
+        for i, p in enumerate(self.params):
+            state = {"step": torch.tensor(step, dtype=torch.float32)}
+            for name in MOMENTS:
+                full = proxy_state[self.proxy[i]][name].to(device) if self.is_leader else \
+                    torch.empty(p.shape, dtype=torch.float32, device=device)
+                dist.broadcast(full, src=0)
+                state[name] = _like(p, full)
+            self.inner.state[p] = state
 
     def _mirror_lrs(self) -> None:
         for group, mirror in zip(self.inner.param_groups, self.diloco.param_groups):
@@ -220,7 +297,7 @@ class ShardedDiLoCo:
     def broadcast_global(self) -> None:
         """Every rank takes the leader's global parameters into its shards, and the leader's step counters. Call
         after the leader synced or took the swarm's state (``DiLoCoOptimizer.catch_up``)."""
-        device = self.params[0].to_local().device if isinstance(self.params[0], DTensor) else self.params[0].device
+        device = _local(self.params[0]).device
         self._broadcast_counters()
         if self.is_leader:
             flat = torch.cat([g.detach().reshape(-1) for g in self.diloco.global_params]).to(device)
@@ -231,10 +308,7 @@ class ShardedDiLoCo:
         for p in self.params:
             full = flat[offset:offset + p.numel()].view(p.shape)
             offset += p.numel()
-            if isinstance(p, DTensor):
-                p.copy_(distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None))
-            else:
-                p.copy_(full)
+            p.copy_(_like(p, full.to(p.dtype)))
 
     # ------------------------------------------------------------------------------------- sharded checkpoints
 
@@ -250,7 +324,9 @@ class ShardedDiLoCo:
         model_state, optim_state = get_state_dict(model, self.inner)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(target / "shards"))
         if self.is_leader:
-            save_checkpoint(target / "diloco.pt", {**(extra or {}), "diloco": self.diloco.state_dict(),
+            # the proxy's copy of the inner moments is left out: the ranks' shards above hold them
+            diloco_state = {**self.diloco.state_dict(), "inner": None}
+            save_checkpoint(target / "diloco.pt", {**(extra or {}), "diloco": diloco_state,
                                                    "ranks": dist.get_world_size()})
         dist.barrier()
         if self.is_leader:
@@ -277,6 +353,29 @@ class ShardedDiLoCo:
         if self.is_leader:
             self.diloco.load_state_dict(load_checkpoint(target / "diloco.pt")["diloco"])
         self._broadcast_counters()
+        self._gather_moments()
+
+    @torch.no_grad()
+    def load_full_state(self, model: torch.nn.Module, model_state: dict, optimizer_state: dict) -> None:
+        """Load a 1-rank peer's checkpoint (``<run-id>.pt``: full tensors, read by every rank): each rank keeps its
+        shards of the parameters and of the inner AdamW state; the leader takes the DiLoCo state. Call on every
+        rank."""
+        device = _local(self.params[0]).device
+        for name, p in model.named_parameters():
+            p.copy_(_like(p, model_state[name].to(device, p.dtype)))
+        inner = optimizer_state["inner"]
+        for i, p in enumerate(self.params):
+            saved = inner["state"].get(i)
+            if saved:
+                state = {name: _like(p, saved[name].to(device)) for name in MOMENTS}
+                state["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).clone()
+                self.inner.state[p] = state
+        for group, saved in zip(self.inner.param_groups, inner["param_groups"]):
+            group["lr"] = saved["lr"]
+        if self.is_leader:
+            self.diloco.load_state_dict({**optimizer_state, "inner": None})
+        self._broadcast_counters()
+        self._gather_moments()
 
     def _broadcast_counters(self) -> None:
         counters = torch.zeros(2, dtype=torch.long)
@@ -310,5 +409,18 @@ def read_checkpoint_meta(directory: str | Path) -> dict:
     if target is None:
         raise CheckpointError(f"no sharded checkpoint in {directory} (no 'latest' file); drop --resume to start fresh")
     state = load_checkpoint(target / "diloco.pt")
-    state.pop("diloco", None)
-    return state
+    diloco = state.pop("diloco", {})
+    return {**state, "outer_step": diloco.get("outer_step"), "local_step": diloco.get("local_step")}
+
+
+def load_sharded_into_one_rank(directory: str | Path, model: torch.nn.Module, opt: DiLoCoOptimizer) -> None:
+    """Load the latest sharded checkpoint in ``directory`` (written by any number of ranks) into a 1-rank peer's
+    plain model, inner optimizer and DiLoCo state. Needs no process group."""
+    target = _latest(Path(directory))
+    if target is None:
+        raise CheckpointError(f"no sharded checkpoint in {directory} (no 'latest' file); drop --resume to start fresh")
+    model_state, optim_state = get_state_dict(model, opt.inner_optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(target / "shards"))
+    set_state_dict(model, opt.inner_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    opt.load_state_dict(load_checkpoint(target / "diloco.pt")["diloco"])  # its "inner" is None: loaded above

@@ -14,9 +14,9 @@ per rank, on its device (the model is sharded over ``shard`` ranks; ``b`` sequen
 
 on the leader's host, the swarm side (fp32, never on the GPU):
   * global parameters, outer momentum and the averager's buffers: 12 bytes x N
-  * the donor's snapshot for newcomers and the averager's copy of it while serving: 2 x (8 bytes x N, plus the
-    AdamW moments, 8 bytes x N, of a 1-rank peer)
-  * with several ranks, the full fp32 proxy the sync gathers into: 4 bytes x N
+  * the donor's snapshot for newcomers and the averager's copy of it while serving: 2 x 16 bytes x N (global
+    parameters, momentum and the inner AdamW moments)
+  * with several ranks, the full fp32 proxy the sync gathers into and its copy of the inner moments: 12 bytes x N
   * the processes themselves (python with torch in the main, DHT and averager processes, p2pd): 0.75 GiB, and
     0.6 GiB for each further rank with its torch, gloo and FSDP state (measured on CPU: 0.65 GiB for the tiny
     model's whole 1-rank process tree; a 2-rank peer's torchrun agent and second rank add about 0.6)
@@ -80,8 +80,8 @@ def estimate_memory(config: GPTConfig, batch_size: int, world: int, shard: int, 
     bf16_copies = 2 * n if cuda else 0
     rank = int((16 * n // shard + activations + logits + bf16_copies) * FRAGMENTATION)
 
-    snapshot = 8 * n + (8 * n if world == 1 else 0)
-    host = 12 * n + 2 * snapshot + (4 * n if world > 1 else 0) + PROCESSES_BYTES + (world - 1) * RANK_PROCESS_BYTES
+    snapshot = 16 * n
+    host = 12 * n + 2 * snapshot + (12 * n if world > 1 else 0) + PROCESSES_BYTES + (world - 1) * RANK_PROCESS_BYTES
     if not cuda:
         host += world * rank
     return MemoryEstimate(parameters=n, rank_bytes=rank, host_bytes=host, shm_bytes=4 * n + 2 * snapshot)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from p2ptrain.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from p2ptrain.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
 from p2ptrain.config import ConfigError, RunConfig
 from p2ptrain.data import ShardedBatches, eval_batches, evaluate, load_corpus, split_train_val
 from p2ptrain.diloco import DiLoCoOptimizer
@@ -31,6 +31,7 @@ from p2ptrain.hsdp import (
     any_rank,
     broadcast_object,
     init_ranks,
+    load_sharded_into_one_rank,
     multi_rank_problem,
     read_checkpoint_meta,
     shard_model,
@@ -334,10 +335,21 @@ class Worker:
         cfg = self.config
         if not cfg.train.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir: the folder the previous run wrote its checkpoint to")
-        if self.ranks.world > 1:
-            state = read_checkpoint_meta(self._sharded_checkpoint_dir())
-        else:
-            state = load_checkpoint(checkpoint_path(cfg.train.checkpoint_dir, cfg.run_id))
+        # a peer may come back with another number of ranks: take the latest checkpoint of either kind
+        full_path = checkpoint_path(cfg.train.checkpoint_dir, cfg.run_id)
+        candidates = []
+        if full_path.exists():
+            full = load_checkpoint(full_path)
+            candidates.append({**full, "sharded": False, "outer_step": full["optimizer"]["outer_step"],
+                               "local_step": full["optimizer"]["local_step"]})
+        if (self._sharded_checkpoint_dir() / "latest").exists():
+            candidates.append({**read_checkpoint_meta(self._sharded_checkpoint_dir()), "sharded": True})
+        if not candidates:
+            raise CheckpointError(f"no checkpoint at {full_path} or in {self._sharded_checkpoint_dir()}; drop "
+                                  "--resume to start fresh, or check --checkpoint-dir")
+        # the latest; between two of the same age, the kind this peer writes
+        sharded_peer = self.ranks.world > 1
+        state = max(candidates, key=lambda c: (c["outer_step"], c["local_step"], c["sharded"] == sharded_peer))
         for key, expected in (("run_id", cfg.run_id), ("model", cfg.train.model), ("num_shards", cfg.train.num_shards)):
             if state.get(key) != expected:
                 raise ConfigError(
@@ -351,8 +363,12 @@ class Worker:
         return Path(self.config.train.checkpoint_dir) / f"{self.config.run_id}-sharded"
 
     def _restore(self, state: dict, model, opt, batches: ShardedBatches) -> None:
-        if isinstance(opt, ShardedDiLoCo):
+        if isinstance(opt, ShardedDiLoCo) and state["sharded"]:
             opt.load_checkpoint(self._sharded_checkpoint_dir(), model)
+        elif isinstance(opt, ShardedDiLoCo):
+            opt.load_full_state(model, state["model_state"], state["optimizer"])
+        elif state["sharded"]:
+            load_sharded_into_one_rank(self._sharded_checkpoint_dir(), model, opt)
         else:
             model.load_state_dict(state["model_state"])
             opt.load_state_dict(state["optimizer"])

@@ -7,13 +7,16 @@ Rank r trains on rows [r*B/W, (r+1)*B/W) of each batch of data shard 0, so the p
 batches as a single-rank peer on shard 0 (tests/swarm/test_hsdp.py). The leader writes DIR/digests.json (the
 global parameters' digest after every sync) and DIR/global.pt (the final global parameters). With --save CKPT it
 then writes a sharded checkpoint and DIR/saved.pt (full model, AdamW moments, counters, global parameters); with
---load CKPT it starts from the checkpoint and writes the same for what it loaded to DIR/loaded.pt.
+--load CKPT it starts from the checkpoint and writes the same for what it loaded to DIR/loaded.pt. With --catch-up
+it first takes the swarm's state (catch_up_if_behind) and writes what it took to DIR/caught.pt; with --serve it
+writes DIR/served.pt after training and stays in the swarm (a donor, not stepping) until DIR/done exists.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from functools import partial
 from pathlib import Path
 
@@ -35,9 +38,11 @@ def dump(opt: ShardedDiLoCo, model: torch.nn.Module, path: Path) -> None:
     with torch.no_grad():
         params = [p.full_tensor() for p in model.parameters()]
         moments = [opt.inner.state[p]["exp_avg"].full_tensor() for p in model.parameters()]
+        second = [opt.inner.state[p]["exp_avg_sq"].full_tensor() for p in model.parameters()]
+        step = float(opt.inner.state[next(model.parameters())]["step"])
     if dist.get_rank() == 0:
-        torch.save({"model": params, "exp_avg": moments, "counters": [opt.local_step, opt.outer_step],
-                    "global": opt.global_state()["global_params"]}, path)
+        torch.save({"model": params, "exp_avg": moments, "exp_avg_sq": second, "step": step,
+                    "counters": [opt.local_step, opt.outer_step], "global": opt.global_state()["global_params"]}, path)
 
 
 def main() -> None:
@@ -48,6 +53,9 @@ def main() -> None:
     parser.add_argument("--local-steps", type=int, default=5)
     parser.add_argument("--compression", default="none")
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--no-group-policy", default=None, help="default: wait with --initial-peers, else apply_local")
+    parser.add_argument("--catch-up", action="store_true")
+    parser.add_argument("--serve", action="store_true")
     parser.add_argument("--save", default=None, help="after training, write a sharded checkpoint here")
     parser.add_argument("--load", default=None, help="before training, load the sharded checkpoint from here")
     args = parser.parse_args()
@@ -61,6 +69,7 @@ def main() -> None:
 
     dht = None
     diloco = None
+    policy = args.no_group_policy or ("wait" if args.initial_peers else "apply_local")
     if rank == 0:
         initial_peers = [args.initial_peers] if args.initial_peers else []
         dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers)
@@ -68,8 +77,7 @@ def main() -> None:
                          outer_optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
                          compression=args.compression, target_group_size=2, batch_size=BATCH,
                          # alone (no --initial-peers), every round applies the peer's own pseudo-gradient, quickly
-                         no_group_policy="wait" if args.initial_peers else "apply_local",
-                         matchmaking_time_s=5.0 if args.initial_peers else 1.0)
+                         no_group_policy=policy, matchmaking_time_s=5.0 if policy == "wait" else 1.0)
     opt = ShardedDiLoCo(model, inner_optimizer=partial(torch.optim.AdamW, lr=1e-3), local_steps=args.local_steps,
                         diloco=(lambda params, inner: diloco(params, inner_optimizer=inner)) if diloco else None)
     train, _ = split_train_val(load_corpus(None))
@@ -80,6 +88,9 @@ def main() -> None:
         if args.load:
             opt.load_checkpoint(args.load, model)
             dump(opt, model, Path(args.out) / "loaded.pt")
+        if args.catch_up:
+            assert opt.catch_up_if_behind(), "took no state from the swarm"
+            dump(opt, model, Path(args.out) / "caught.pt")
         while opt.outer_step < args.syncs:
             x, y = next(batches)
             _, loss = model(x[rows], y[rows])
@@ -95,6 +106,11 @@ def main() -> None:
         if args.save:
             opt.save_checkpoint(args.save, model)
             dump(opt, model, Path(args.out) / "saved.pt")
+        if args.serve:
+            dump(opt, model, Path(args.out) / "served.pt")
+            deadline = time.monotonic() + 120
+            while not (Path(args.out) / "done").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
     finally:
         opt.close()
         if dht is not None:

@@ -8,6 +8,7 @@ a stated tolerance, the same run with the 2-rank peer replaced by a 1-rank peer 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -22,7 +23,17 @@ import torch
 from p2ptrain.data import ShardedBatches, load_corpus, split_train_val
 from p2ptrain.diloco import DiLoCoOptimizer
 from p2ptrain.model import build_model
-from tests.helpers import assert_all_gone, descendants, p2ptrain, start_bootstrap, start_worker, stop_all
+from tests.helpers import (
+    assert_all_gone,
+    descendants,
+    p2ptrain,
+    report,
+    spawn,
+    start_bootstrap,
+    start_worker,
+    stop_all,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
@@ -105,6 +116,91 @@ def test_two_rank_hsdp_peer_and_one_rank_peer_stay_identical(tmp_path):
     assert worst <= TOLERANCE
 
 
+def alone_then_serving(dht: hivemind.DHT, syncs: int) -> tuple:
+    """A 1-rank peer that trains alone for ``syncs`` rounds, then stops stepping; returns it and its model."""
+    torch.set_num_threads(1)
+    model = build_model("tiny", seed=0)
+    opt = DiLoCoOptimizer(model.parameters(), dht=dht, run_id="hsdp", local_steps=LOCAL_STEPS,
+                          inner_optimizer=partial(torch.optim.AdamW, lr=1e-3),
+                          outer_optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
+                          compression="none", no_group_policy="apply_local", matchmaking_time_s=1.0,
+                          batch_size=BATCH)
+    train, _ = split_train_val(load_corpus(None))
+    batches = ShardedBatches(train, block_size=model.config.block_size, batch_size=BATCH, shard_index=1,
+                             num_shards=2)
+    while opt.outer_step < syncs:
+        x, y = next(batches)
+        model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    return opt, model
+
+
+def moments_of(opt: DiLoCoOptimizer, model: torch.nn.Module) -> dict:
+    state = [opt.inner_optimizer.state[p] for p in model.parameters()]
+    return {"exp_avg": [s["exp_avg"] for s in state], "exp_avg_sq": [s["exp_avg_sq"] for s in state],
+            "step": float(state[0]["step"]), "global": list(opt.global_params), "outer_step": opt.outer_step}
+
+
+def assert_same_state(got: dict, expected: dict) -> None:
+    assert got["step"] == expected["step"] > 0
+    for key in ("exp_avg", "exp_avg_sq", "global"):
+        assert all(torch.equal(a, b) for a, b in zip(got[key], expected[key], strict=True)), key
+
+
+def test_state_transfer_carries_inner_moments_between_sharded_and_one_rank_peers(tmp_path):
+    """A sharded newcomer takes a 1-rank donor's state, AdamW moments included, into its ranks' shards; and a 1-rank
+    newcomer takes a sharded donor's. Bit-exact both ways (the moments travel as fp32)."""
+    dht = hivemind.DHT(start=True, host_maddrs=LOOPBACK)
+    maddr = str(dht.get_visible_maddrs()[0])
+    try:
+        # 1-rank donor (idle after 2 rounds, so its state stays put) -> 2-rank newcomer
+        donor, model = alone_then_serving(dht, syncs=2)
+        try:
+            expected = moments_of(donor, model)
+            run_ranks(2, tmp_path, "catch-up", "--initial-peers", maddr, "--syncs", "0", "--local-steps",
+                      str(LOCAL_STEPS), "--catch-up")
+        finally:
+            donor.close()
+        caught = torch.load(tmp_path / "caught.pt")
+        assert caught["counters"] == [2 * LOCAL_STEPS, 2]
+        assert_same_state(caught, expected)
+
+        # 2-rank donor (trains alone in a run of its own, then serves) -> 1-rank newcomer
+        log = tmp_path / "serve.log"
+        ranks = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(PEER_SCRIPT),
+             "--initial-peers", maddr, "--out", str(tmp_path), "--syncs", "2", "--local-steps", str(LOCAL_STEPS),
+             "--no-group-policy", "apply_local", "--serve"],
+            stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while not (tmp_path / "served.pt").exists():
+                assert time.monotonic() < deadline and ranks.poll() is None, log.read_text()[-4000:]
+                time.sleep(0.2)
+            served = torch.load(tmp_path / "served.pt")
+            newcomer_model = build_model("tiny", seed=1)  # another init: everything must come from the donor
+            newcomer = DiLoCoOptimizer(newcomer_model.parameters(), dht=dht, run_id="hsdp", local_steps=LOCAL_STEPS,
+                                       inner_optimizer=partial(torch.optim.AdamW, lr=1e-3),
+                                       outer_optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True))
+            try:
+                assert newcomer.catch_up()
+                got = moments_of(newcomer, newcomer_model)
+            finally:
+                newcomer.close()
+            (tmp_path / "done").touch()
+            assert ranks.wait(timeout=60) == 0, log.read_text()[-4000:]
+        finally:
+            if ranks.poll() is None:
+                ranks.kill()
+                ranks.wait()
+        assert got["outer_step"] == served["counters"][1] == 2
+        assert_same_state(got, served)
+    finally:
+        dht.shutdown()
+
+
 def run_ranks(nproc: int, tmp_path: Path, name: str, *args: str) -> None:
     log = tmp_path / f"{name}.log"
     done = subprocess.run(
@@ -148,30 +244,35 @@ def test_join_with_two_ranks_trains_with_a_one_rank_peer(tmp_path):
         assert_all_gone(children)
     finally:
         stop_all([two, one, boot])
-    reports = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in (0, 1)]
-    for report in reports:
-        assert report["outer_steps"] == 3 and [r["group_size"] for r in report["rounds"]] == [2, 2, 2]
+    reports = [report(tmp_path, i) for i in (0, 1)]
+    for peer in reports:
+        assert peer["outer_steps"] == 3 and [r["group_size"] for r in peer["rounds"]] == [2, 2, 2]
     assert [r["digest"] for r in reports[0]["rounds"]] == [r["digest"] for r in reports[1]["rounds"]]
     assert reports[0]["final_eval_loss"] == reports[1]["final_eval_loss"]
     assert reports[0]["final_eval_loss"] < reports[0]["initial_eval_loss"]
 
 
-def test_join_with_two_ranks_checkpoints_and_resumes(tmp_path):
-    """A 2-rank peer alone writes sharded checkpoints; `join --resume` continues from the last one."""
-    args = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id", "hsdp-resume", "--nproc-per-node", "2",
-            "--local-steps", "5", "--matchmaking-time", "1", "--batch-size", "4", "--threads", "1", "--no-progress",
+def test_join_checkpoints_and_resumes_on_another_number_of_ranks(tmp_path):
+    """A 2-rank peer alone writes sharded checkpoints; `join --resume` continues from the latest checkpoint with 2
+    ranks, then with 1 (from the sharded one), then with 2 again (from the 1-rank one). Each picks up the exact
+    model the previous one left: its first eval loss is the previous one's last."""
+    args = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id", "hsdp-resume", "--local-steps", "5",
+            "--matchmaking-time", "1", "--batch-size", "4", "--threads", "1", "--no-progress",
             "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1"]
-    first = p2ptrain("join", *args, "--max-outer-steps", "2", "--report", str(tmp_path / "first.json"), timeout=240)
-    assert first.returncode == 0, first.stderr[-4000:]
+    reports = []
+    for i, (ranks, outer_steps) in enumerate([(2, 2), (2, 3), (1, 4), (2, 5)]):
+        run = p2ptrain("join", *args, "--nproc-per-node", str(ranks), "--max-outer-steps", str(outer_steps),
+                       *(["--resume"] if i else []), "--report", str(tmp_path / f"{i}.json"), timeout=240)
+        assert run.returncode == 0, run.stderr[-4000:]
+        reports.append(json.loads((tmp_path / f"{i}.json").read_text()))
+        if i:
+            before, after = reports[-2], reports[-1]
+            assert f"resumed from the checkpoint at outer step {outer_steps - 1}" in run.stderr
+            assert [r["outer_step"] for r in after["rounds"]] == [outer_steps]
+            assert after["rounds"][0]["data_position"] > before["rounds"][-1]["data_position"]
+            assert after["initial_eval_loss"] == pytest.approx(before["final_eval_loss"], rel=1e-5)
     assert (tmp_path / "ckpt" / "hsdp-resume-sharded" / "latest").is_file()
-    second = p2ptrain("join", *args, "--max-outer-steps", "3", "--resume", "--report", str(tmp_path / "second.json"),
-                      timeout=240)
-    assert second.returncode == 0, second.stderr[-4000:]
-    before = json.loads((tmp_path / "first.json").read_text())
-    after = json.loads((tmp_path / "second.json").read_text())
-    assert "resumed from the checkpoint at outer step 2" in second.stderr
-    assert [r["outer_step"] for r in after["rounds"]] == [3]
-    assert after["rounds"][0]["data_position"] > before["rounds"][-1]["data_position"]
+    assert (tmp_path / "ckpt" / "hsdp-resume.pt").is_file()
 
 
 def test_a_dead_rank_takes_its_peer_down_cleanly_and_the_swarm_goes_on(tmp_path):
@@ -197,3 +298,4 @@ def test_a_dead_rank_takes_its_peer_down_cleanly_and_the_swarm_goes_on(tmp_path)
     finally:
         stop_all([two, one, boot])
     assert json.loads((tmp_path / "w1.json").read_text())["outer_steps"] == 4
+
