@@ -279,7 +279,7 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
         problem = multi_rank_problem(config.train, nproc_per_node) or gpu_count_problem(config.train, nproc_per_node)
         if problem:
             raise BadInput(problem)
-        _exec_torchrun(nproc_per_node)  # does not return: torchrun starts the ranks, each runs this command
+        _run_ranks(nproc_per_node)  # does not return: torchrun starts the ranks, each runs this command
     if not config.swarm.initial_peers:
         logger.warning("no --initial-peers: starting a new swarm; others can join through the addresses below")
     worker = Worker(config, report_path=report_path, show_progress=progress, resume=resume)
@@ -296,9 +296,14 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
     )
 
 
-def _exec_torchrun(nproc: int) -> None:
-    """Become ``torchrun --standalone --nproc-per-node N -m p2ptrain join ...`` with this command's other arguments;
-    torchrun forwards SIGINT/SIGTERM to the ranks and stops them all when one fails."""
+def _run_ranks(nproc: int) -> None:
+    """Run ``torchrun --standalone --nproc-per-node N -m p2ptrain join ...`` with this command's other arguments,
+    in this process, and exit with its outcome. torchrun's agent starts the ranks in sessions of their own (so a
+    Ctrl-C reaches them once, through it), forwards SIGINT/SIGTERM, and stops them all when one fails."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
     args, skip = [], False
     for arg in sys.argv[1:]:
         if skip:
@@ -308,10 +313,17 @@ def _exec_torchrun(nproc: int) -> None:
         elif not arg.startswith("--nproc-per-node="):
             args.append(arg)
     logger.info(f"starting {nproc} local ranks with torchrun")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              f"--nproc-per-node={nproc}", "-m", "p2ptrain", *args])
+    try:
+        torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "p2ptrain", *args])
+    except SignalException as e:
+        # the agent passed the signal on and waited for the ranks, which leave as a 1-rank peer does
+        logger.info(f"the ranks were stopped by {signal.Signals(e.sigval).name}")
+        sys.exit(0)
+    except ChildFailedError as e:
+        # torchrun already logged each failed rank; one line more, and no traceback of the agent's own
+        logger.error(f"a rank of this peer failed: {e.get_first_failure()[1].message or 'see the log above'}")
+        sys.exit(1)
+    sys.exit(0)
 
 
 @cli.command()

@@ -21,6 +21,18 @@ POLL_S = 0.5
 TERM_GRACE_S = 2.0
 
 
+def leave_process_group() -> None:
+    """Move this (child) process, and whatever it starts later (p2pd), out of its parent's process group. A Ctrl-C
+    in a terminal signals the whole foreground group, and torchrun stops a rank with ``killpg``: either would hit
+    p2pd and the hivemind processes at the same moment as the peer's main process, and take the swarm away from
+    it while it is still leaving (finishing a round, withdrawing its records). The main process stops them itself,
+    in order; :func:`follow_parent` covers a main process that cannot."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # a session leader cannot, and needs not
+        pass
+
+
 def follow_parent(poll_s: float = POLL_S) -> None:
     """In a child process: exit (after stopping this process's own children) as soon as the parent is gone."""
     parent = os.getppid()

@@ -36,6 +36,7 @@ from p2ptrain.hsdp import (
     read_checkpoint_meta,
     shard_model,
 )
+from p2ptrain.lifeline import follow_parent
 from p2ptrain.memory import GiB, check_memory
 from p2ptrain.model import build_model, model_config
 from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht, visible_maddrs
@@ -129,6 +130,9 @@ class Worker:
         # read the data and the checkpoint before joining: bad input must fail before any process is started
         train_bytes, val_bytes = split_train_val(load_corpus(train_cfg.data or None))
         ranks = self.ranks = LocalRanks.from_env()
+        if ranks.world > 1:
+            # torchrun starts each rank in a session of its own: if its agent is SIGKILLed, nothing else stops it
+            follow_parent()
         resumed = self._load_resume_state() if self.resume else None
         if ranks.world > 1:
             problem = multi_rank_problem(train_cfg, ranks.world)  # the CLI checked it before starting torchrun

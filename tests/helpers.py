@@ -23,10 +23,12 @@ def p2ptrain(*args: str, **kwargs) -> subprocess.CompletedProcess:
                           env=dict(os.environ, PYTHONUNBUFFERED="1"), **kwargs)
 
 
-def spawn(*args: str, log: Path, env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
-    """Start ``p2ptrain ARGS`` in the background with stdout and stderr going to ``log``; ``env`` adds variables."""
+def spawn(*args: str, log: Path, env: Optional[Dict[str, str]] = None, new_session: bool = False) -> subprocess.Popen:
+    """Start ``p2ptrain ARGS`` in the background with stdout and stderr going to ``log``; ``env`` adds variables;
+    ``new_session`` makes it the leader of a process group of its own, as a command typed in a terminal is."""
     return subprocess.Popen([sys.executable, "-m", "p2ptrain", *args], stdout=open(log, "wb"),
-                            stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+                            stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
+                            start_new_session=new_session)
 
 
 def wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float = 60) -> str:

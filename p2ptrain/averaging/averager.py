@@ -25,7 +25,7 @@ from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 from p2ptrain.averaging.allreduce import ExactAllReduceRunner
 from p2ptrain.averaging.compression import get_compression
 from p2ptrain.averaging.state_transfer import StateTransferMixin
-from p2ptrain.lifeline import follow_parent
+from p2ptrain.lifeline import follow_parent, leave_process_group
 
 logger = get_logger(__name__)
 
@@ -90,6 +90,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         # Runs in the child process. The parent owns SIGINT (first = graceful, second = force) and shuts us down;
         # ignoring it here is what hivemind's run_in_background does too, but without touching the parent's handler.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        leave_process_group()  # signals meant for the host's group are not ours: the host shuts us down
         follow_parent()  # a SIGKILLed host must not leave this process behind
         super().run()
 

@@ -10,7 +10,7 @@ import hivemind
 from hivemind.p2p import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
-from p2ptrain.lifeline import follow_parent
+from p2ptrain.lifeline import follow_parent, leave_process_group
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +57,11 @@ def check_maddrs(maddrs: Sequence[str], option: str, *, need_peer_id: bool = Fal
 
 
 class FollowingDHT(hivemind.DHT):
-    """hivemind's DHT process, which exits (taking its p2pd along) when the process that started it is gone."""
+    """hivemind's DHT process, in a process group of its own with its p2pd (signals meant for the peer's group do
+    not stop them under a leaving peer), which exits (taking p2pd along) when the process that started it is gone."""
 
     def run(self) -> None:
+        leave_process_group()
         follow_parent()
         super().run()
 

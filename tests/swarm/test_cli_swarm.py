@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 
@@ -149,6 +150,26 @@ def test_first_signal_leaves_a_waiting_sync_cleanly(tmp_path):
     # a peer that leaves while nobody is there commits nothing: its progress stays for a resume or is dropped
     assert "abandoning this round without an outer step" in log.read_text()
     assert "left after 0 outer steps (signal); eval loss 5.5557, no round committed" in log.read_text()
+
+
+def test_ctrl_c_in_a_terminal_leaves_cleanly(tmp_path):
+    # a terminal's Ctrl-C signals the whole foreground process group: p2pd and the hivemind processes must not die
+    # under the peer while it leaves (before, p2pd exited at once and the averager's shutdown failed with a traceback)
+    log = tmp_path / "ctrl-c.log"
+    proc = spawn("join", "--host-maddrs", LOOPBACK, "--run-id", "ctrl-c", "--local-steps", "3", "--no-group-policy",
+                 "wait", "--matchmaking-time", "2", "--threads", "1", "--no-progress", "--shard-index", "0", log=log,
+                 new_session=True)
+    try:
+        wait_for_log(log, "waiting for peers", proc)
+        children = descendants(proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+        assert_all_gone(children)
+    finally:
+        stop_all([proc])
+    text = log.read_text()
+    assert "left after 0 outer steps (signal)" in text
+    assert "Traceback" not in text and "[ERROR]" not in text, text
 
 
 def test_second_signal_forces_exit_without_orphans(tmp_path):

@@ -299,3 +299,44 @@ def test_a_dead_rank_takes_its_peer_down_cleanly_and_the_swarm_goes_on(tmp_path)
         stop_all([two, one, boot])
     assert json.loads((tmp_path / "w1.json").read_text())["outer_steps"] == 4
 
+
+def test_ctrl_c_stops_a_two_rank_peer_cleanly(tmp_path):
+    """SIGINT to `join --nproc-per-node 2` (what Ctrl-C sends it): torchrun passes it to the ranks once, they leave
+    as a 1-rank peer does (exit checkpoint included), and the command exits 0 with no traceback and no process
+    left behind."""
+    log = tmp_path / "w.log"
+    proc = spawn("join", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id", "hsdp-sigint", "--nproc-per-node", "2",
+                 "--local-steps", "5", "--matchmaking-time", "1", "--batch-size", "4", "--threads", "1",
+                 "--no-progress", "--checkpoint-dir", str(tmp_path / "ckpt"), "--report", str(tmp_path / "w0.json"),
+                 log=log)
+    try:
+        wait_until(lambda: report(tmp_path, 0).get("outer_steps", 0) >= 1, "a first round", 120,
+                   procs=[("join", proc)])
+        children = descendants(proc)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=90) == 0, log.read_text()[-4000:]
+        assert_all_gone(children)
+    finally:
+        stop_all([proc])
+    text = log.read_text()
+    assert "Traceback" not in text and "SignalException" not in text, text[-4000:]
+    assert "checkpoint written" in text and "(exit)" in text
+    assert (tmp_path / "ckpt" / "hsdp-sigint-sharded" / "latest").is_file()
+
+
+def test_a_sigkilled_two_rank_peer_leaves_no_process_behind(tmp_path):
+    """kill -9 of `join --nproc-per-node 2` (torchrun's agent): its ranks, in sessions of their own, and the
+    leader's hivemind processes notice and exit."""
+    log = tmp_path / "w.log"
+    proc = spawn("join", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id", "hsdp-kill", "--nproc-per-node", "2",
+                 "--local-steps", "5", "--matchmaking-time", "1", "--batch-size", "4", "--threads", "1",
+                 "--no-progress", "--report", str(tmp_path / "w0.json"), log=log)
+    try:
+        wait_until(lambda: report(tmp_path, 0).get("maddrs"), "the leader joined its DHT", 120, procs=[("join", proc)])
+        children = descendants(proc)
+        assert any(c.name() == "p2pd" for c in children), children
+        proc.kill()
+        proc.wait(timeout=10)
+        assert_all_gone(children, timeout_s=15)
+    finally:
+        stop_all([proc])
