@@ -69,6 +69,9 @@ class SyncRecord:
     """digest of the global parameters after this sync: equal on every peer that committed the same round"""
     finished_at: float = 0.0
     """wall-clock time (time.time()) when the sync ended"""
+    allreduce_s: float = 0.0
+    """seconds of the all-reduce that was applied, from the group's forming; the rest of ``seconds`` is
+    matchmaking (and earlier attempts), the outer step and the digest"""
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -396,6 +399,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             abandoned=abandoned,
             digest=self._digest,
             finished_at=time.time(),
+            allreduce_s=result.allreduce_s if result else 0.0,
         )
         self.history.append(record)
         if not abandoned:  # an abandoned round's samples are still in the model, to be synced later

@@ -73,12 +73,19 @@ class WorkerReport:
     """where this peer started in its shard, when it continued from another peer's published cursor"""
     startup_s: Optional[float] = None
     """seconds from start to the first inner step: joining the DHT, building the model, taking the state"""
+    compute_s: float = 0.0
+    """seconds in inner steps (forward, backward, inner optimizer step); syncs and evals not included"""
+    train_started_at: Optional[float] = None
+    """wall-clock time (time.time()) of the first inner step: start-up ends here"""
+    train_ended_at: Optional[float] = None
+    """wall-clock time when the training loop ended"""
     stopped_by: str = ""
     """"max_outer_steps" or "signal" """
     start_outer_step: Optional[int] = None
     """outer step of the state this peer started training from (after any checkpoint and state download)"""
     rounds: List[Dict[str, Any]] = field(default_factory=list)
-    """one entry per sync: SyncRecord fields plus the eval loss right after it and the shard position. A round
+    """one entry per sync: SyncRecord fields plus the eval loss right after it, the shard position and the
+    cumulative ``compute_s`` at that point. A round
     joined with weight 0 while taking the swarm's state at start is one too (``caught_up``)"""
 
     def to_dict(self) -> Dict[str, Any]:
@@ -297,6 +304,7 @@ class Worker:
         entry = record.to_dict()
         entry["data_position"] = [batches.epoch, batches.position]
         entry["eval_loss"] = eval_loss
+        entry["compute_s"] = self.report.compute_s  # cumulative, so any window of rounds has its compute time
         self.report.rounds.append(entry)
         self._write_report()
 
@@ -439,6 +447,8 @@ class Worker:
                     break
                 if self.report.startup_s is None:
                     self.report.startup_s = time.monotonic() - self._started
+                    self.report.train_started_at = time.time()
+                step_started = time.perf_counter()
                 x, y = x[rows], y[rows]
                 with self._autocast(device):
                     _, loss = model(x.to(device), y.to(device))
@@ -447,6 +457,10 @@ class Worker:
                 opt.step(batch_size=cfg.batch_size)
                 opt.zero_grad()
                 loss_value = loss.item()
+                step_s = time.perf_counter() - step_started
+                if opt.outer_step != synced_before and opt.history:
+                    step_s -= opt.history[-1].seconds  # the sync this step ended with is not compute
+                self.report.compute_s += max(step_s, 0.0)
                 if self.report.first_loss is None:
                     self.report.first_loss = loss_value
                 self.report.local_steps = opt.local_step
@@ -473,6 +487,7 @@ class Worker:
                     break
         finally:
             bar.close()
+            self.report.train_ended_at = time.time()
 
     def _log_line(self, opt: DiLoCoOptimizer, loss_value: float) -> None:
         last = opt.history[-1] if opt.history else None

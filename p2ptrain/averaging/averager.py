@@ -44,6 +44,8 @@ class RoundResult:
     """fraction of the vector whose reducer failed; those values stayed this peer's own"""
     gathered: Dict[str, Any] = field(default_factory=dict)
     """peer id (base58) -> the metadata that peer attached to this round (its samples, its outer step)"""
+    allreduce_s: float = 0.0
+    """seconds from the group's forming to the end of the all-reduce (the rest of a sync is matchmaking)"""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -100,6 +102,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         self.wait_until_ready(timeout_s)
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs) -> RoundResult:
+        started = time.perf_counter()
         try:
             bandwidths, mode_ids, user_gathered_bytes = zip(*map(self.serializer.loads, group_info.gathered))
             gathered = {
@@ -121,6 +124,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
                     local_tensors, group_info, peer_fractions=peer_fractions, **kwargs
                 )
             result.gathered = gathered
+            result.allreduce_s = time.perf_counter() - started
             return result
         except BaseException as e:
             with self._incomplete_rounds.get_lock():
