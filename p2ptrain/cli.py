@@ -367,6 +367,57 @@ def status(ctx: click.Context, as_json: bool, **params) -> None:
 
 
 @cli.command()
+@click.option("--model", "models", multiple=True, default=["small"], show_default=True,
+              help="Built-in model size (repeatable).")
+@click.option("--peers", type=click.IntRange(min=2, max=8), default=3, show_default=True,
+              help="Training peers, each a host of its own.")
+@click.option("--rate-mbit", "rates", type=click.FloatRange(min=0.1), multiple=True, default=[100.0],
+              show_default=True, help="Each host's link rate, both ways (repeatable).")
+@click.option("--local-steps", "local_steps", type=click.IntRange(min=1), multiple=True,
+              help="H (repeatable); default: from --phase-s.")
+@click.option("--phase-s", "phases", type=click.FloatRange(min=1), multiple=True,
+              help="Pick H so an inner phase lasts about this long on one core (repeatable); default 60.")
+@click.option("--outer-steps", type=click.IntRange(min=2), default=3, show_default=True, help="Rounds per run.")
+@click.option("--compression", "compressions", multiple=True, default=["fp16"], show_default=True,
+              help="Wire codec (repeatable).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--out", type=click.Path(file_okay=False), default="bench-out", show_default=True,
+              help="Folder for report.md, report.json, plots and the daemons' logs.")
+@click.option("--loopback", is_flag=True, help="No namespaces or rate limit, even as root.")
+@click.option("--clean", "clean_only", is_flag=True, help="Remove namespaces a killed benchmark left, then exit.")
+def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, batch_size, out, loopback,
+          clean_only) -> None:
+    """Benchmark real swarms over rate-limited links (one network namespace per peer; root needed, else
+    loopback): compute utilization, bytes on the wire, sync seconds against the bandwidth bound, eval loss."""
+    from pathlib import Path
+
+    from p2ptrain.averaging.compression import COMPRESSIONS
+    from p2ptrain.bench.main import clean, run_bench
+    from p2ptrain.model import MODEL_SIZES
+
+    if clean_only:
+        removed = clean()
+        click.echo(f"removed {len(removed)} namespace(s): {' '.join(removed) or '-'}")
+        return
+    for name in models:
+        if name not in MODEL_SIZES:
+            raise BadInput(f"--model {name!r} is unknown; use one of: {', '.join(MODEL_SIZES)}")
+    for name in compressions:
+        if name not in COMPRESSIONS:
+            raise BadInput(f"--compression {name!r} is unknown; use one of: {', '.join(COMPRESSIONS)}")
+    if not local_steps and not phases:
+        phases = (60.0,)
+    try:
+        report = run_bench(models=models, peers=peers, rates_mbit=rates, local_steps=local_steps, phases_s=phases,
+                           outer_steps=outer_steps, compressions=compressions, batch_size=batch_size, out=Path(out),
+                           loopback=loopback, echo=click.echo)
+    except KeyboardInterrupt:
+        click.echo(f"interrupted: the namespaces are removed; figures so far in {out}/report.md", err=True)
+        sys.exit(130)
+    click.echo(f"report: {report}")
+
+
+@cli.command()
 @click.option("--workers", type=click.IntRange(min=1, max=16), default=2, help="Training peers to start.")
 @click.option("--outer-steps", type=click.IntRange(min=1), default=5, help="Syncs each worker runs.")
 @click.option("--local-steps", type=click.IntRange(min=1), default=20, help="Inner steps between syncs.")

@@ -1,0 +1,115 @@
+"""`p2ptrain bench`: run swarm configurations over rate-limited links and write the report."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import platform
+import signal
+import time
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from p2ptrain.bench.netns import NetnsUnavailable, Topology, leftover_namespaces, netns_problem
+from p2ptrain.bench.report import write_report
+from p2ptrain.bench.swarm import BenchConfig, run_config
+
+
+def calibrate_local_steps(model: str, batch_size: int, phase_s: float, steps: int = 4) -> int:
+    """H that makes an inner phase last about ``phase_s`` on one core of this machine, from a few timed steps."""
+    from p2ptrain.data import ShardedBatches, load_corpus, split_train_val
+    from p2ptrain.model import build_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        net = build_model(model)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+        train, _ = split_train_val(load_corpus(None))
+        batches = ShardedBatches(train, block_size=net.config.block_size, batch_size=batch_size, shard_index=0,
+                                 num_shards=1)
+        timings = []
+        for _ in range(steps + 1):
+            x, y = next(batches)
+            started = time.perf_counter()
+            net(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad()
+            timings.append(time.perf_counter() - started)
+        step_s = sorted(timings[1:])[len(timings[1:]) // 2]  # the median, without the first (warm-up) step
+    finally:
+        torch.set_num_threads(threads)
+    return max(1, round(phase_s / step_s))
+
+
+def run_bench(*, models: Sequence[str], peers: int, rates_mbit: Sequence[Optional[float]],
+              local_steps: Sequence[int], phases_s: Sequence[float], outer_steps: int,
+              compressions: Sequence[str], batch_size: int, out: Path, loopback: bool,
+              echo: Callable[[str], None] = print) -> Path:
+    """Run every combination and write ``out/report.md`` (+ .json, plots); returns the report's path."""
+    problem = "--loopback given" if loopback else netns_problem()
+    if problem:
+        echo(f"no network namespaces ({problem}): running on loopback with no rate limit, bytes from the peers' "
+             "own counts")
+        rates_mbit = [None]
+    configs: List[BenchConfig] = []
+    for model in models:
+        steps = list(local_steps)
+        for phase in phases_s:
+            h = calibrate_local_steps(model, batch_size, phase)
+            echo(f"{model}: H={h} makes an inner phase of about {phase:.0f}s on one core")
+            steps.append(h)
+        for h, rate, compression in itertools.product(steps, rates_mbit, compressions):
+            configs.append(BenchConfig(model=model, peers=peers, rate_mbit=rate, local_steps=h,
+                                       outer_steps=outer_steps, compression=compression, batch_size=batch_size))
+    results = []
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        for i, cfg in enumerate(configs, 1):
+            echo(f"[{i}/{len(configs)}] {cfg.name}")
+            topology = None if problem else Topology(hosts=peers + 1, rate_mbit=cfg.rate_mbit)
+            try:
+                results.append(run_config(cfg, out / cfg.name, topology, progress=echo))
+            finally:
+                if topology is not None:
+                    topology.close()
+            r = results[-1]
+            echo(f"  utilization {_pct(r['compute_utilization'])}, sync {_num(r['sync_s'])}s "
+                 f"(bound {_num(r['bandwidth_bound_s'])}s), bytes x{_num(r['bytes_vs_butterfly'])} butterfly, "
+                 f"eval loss {_num(r['final_eval_loss'], '.4f')}")
+            write_report(results, out, _environment(problem))  # after each: an interrupted run keeps its figures
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return out / "report.md"
+
+
+def clean() -> List[str]:
+    """Remove the namespaces a killed benchmark left behind; returns their names."""
+    names = leftover_namespaces()
+    for name in names:
+        os.system(f"ip netns del {name}")
+    return names
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _pct(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def _num(x: Optional[float], spec: str = ".2f") -> str:
+    return "n/a" if x is None else f"{x:{spec}}"
+
+
+def _environment(problem: str) -> dict:
+    return {
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "network": "loopback, no limit" if problem else "one network namespace per peer, tbf-limited veth links",
+    }
+
+
+__all__ = ["run_bench", "clean", "calibrate_local_steps", "NetnsUnavailable"]

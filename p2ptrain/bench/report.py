@@ -1,0 +1,96 @@
+"""The benchmark's output: report.json (every figure), report.md (a table and notes) and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List, Optional
+
+MiB = 1 << 20
+
+
+def _fmt(value: Optional[float], spec: str, unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+
+def write_report(results: List[Dict], out: Path, environment: Dict) -> Path:
+    """Write report.json, report.md and the plots for ``results`` (one ``summarize`` dict per configuration)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps({"environment": environment, "results": results}, indent=1))
+    plots = _plots(results, out)
+    lines = [
+        "# p2ptrain swarm benchmark",
+        "",
+        f"Machine: {environment.get('machine', '?')}. Network: {environment.get('network', '?')}. "
+        f"Bytes measured on: {results[0]['bytes_measured_on'] if results else 'n/a'}.",
+        "",
+        "Steady state = from the end of each peer's first round to the end of its last. Bounds: bytes, a butterfly "
+        "all-reduce's 2(n-1)/n x payload per peer; seconds, those bytes over the link rate; utilization, an inner "
+        "phase over the inner phase plus that bound.",
+        "",
+        "| configuration | params | payload MiB | MiB/peer/sync | x butterfly | sync s | bound s | x bound | "
+        "matchmaking s | all-reduce s | inner phase s | utilization | bound allows | vs data-parallel | "
+        "final eval loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        per_sync = r["bytes_per_peer_per_sync"]
+        util, util_bound = (r[k] and 100 * r[k] for k in ("compute_utilization", "utilization_bound"))
+        lines.append(
+            f"| {r['name']} | {r['parameters'] / 1e6:.1f}M | {r['payload_bytes'] / MiB:.1f} | "
+            f"{_fmt(per_sync and per_sync / MiB, '.1f')} | {_fmt(r['bytes_vs_butterfly'], '.2f')} | "
+            f"{_fmt(r['sync_s'], '.2f')} | {_fmt(r['bandwidth_bound_s'], '.2f')} | {_fmt(r['sync_vs_bound'], '.2f')} | "
+            f"{_fmt(r['matchmaking_s'], '.2f')} | {_fmt(r['allreduce_s'], '.2f')} | "
+            f"{_fmt(r['inner_phase_s'], '.0f')} | {_fmt(util, '.1f', '%')} | {_fmt(util_bound, '.1f', '%')} | "
+            f"{_fmt(r['communication_reduction'], '.0f', 'x')} | {_fmt(r['final_eval_loss'], '.4f')} |"
+        )
+    lines += [
+        "",
+        "vs data-parallel: bytes one peer would send for the same inner steps with one fp32 all-reduce of the "
+        "gradients per step (computed: steps x 2(n-1)/n x 4 bytes x parameters), over the bytes it sent here.",
+        "",
+        *[f"![{name}]({path.name})" for name, path in plots],
+        "",
+    ]
+    (out / "report.md").write_text("\n".join(lines))
+    return out / "report.md"
+
+
+def _plots(results: List[Dict], out: Path) -> List[tuple]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    made = []
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in results:
+        peer = r["peers"][0]
+        start = peer["train_started_at"]
+        times = [0.0] + [round_["finished_at"] - start for round_ in peer["rounds"]]
+        losses = [peer["initial_eval_loss"]] + [round_["eval_loss"] for round_ in peer["rounds"]]
+        ax.plot(times, losses, marker="o", label=r["name"])
+    ax.set_xlabel("wall time since training started (s)")
+    ax.set_ylabel("eval loss (peer 1)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "loss_vs_time.png", dpi=110)
+    plt.close(fig)
+    made.append(("eval loss vs wall time", out / "loss_vs_time.png"))
+
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(results) + 1.5))
+    names = [r["name"] for r in results]
+    compute = [r["inner_phase_s"] or 0.0 for r in results]
+    matchmaking = [r["matchmaking_s"] or 0.0 for r in results]
+    transfer = [r["allreduce_s"] or 0.0 for r in results]
+    ax.barh(names, compute, label="compute (inner phase)")
+    ax.barh(names, matchmaking, left=compute, label="matchmaking")
+    ax.barh(names, transfer, left=[c + m for c, m in zip(compute, matchmaking)], label="all-reduce")
+    ax.set_xlabel("seconds per round (steady state)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "time_split.png", dpi=110)
+    plt.close(fig)
+    made.append(("time per round: compute, matchmaking, all-reduce", out / "time_split.png"))
+    return made

@@ -1,0 +1,198 @@
+"""One benchmark configuration: a bootstrap peer and N real `p2ptrain join` daemons, each on a host of its own.
+
+With root, every daemon runs in its own network namespace behind a rate-limited link (``netns.Topology``) and the
+bytes on the wire come from the switch ports' counters; without it, on loopback with no limit, and the bytes are
+the payload the peers counted themselves (the report says which). Each worker is pinned to one CPU core and one
+torch thread. The figures come from the workers' ``--report`` files (every round's seconds, all-reduce seconds,
+cumulative compute seconds, eval loss, wall-clock end) and the counter samples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from p2ptrain.bench.netns import Topology, bytes_between, wait_for_counters
+from p2ptrain.memory import count_parameters
+from p2ptrain.model import model_config
+
+BYTES_PER_VALUE = {"none": 4, "fp16": 2, "bf16": 2, "int8": 1}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str = "small"
+    peers: int = 3
+    rate_mbit: Optional[float] = 100.0
+    local_steps: int = 60
+    outer_steps: int = 3
+    compression: str = "fp16"
+    batch_size: int = 16
+    matchmaking_time_s: float = 5.0
+
+    @property
+    def name(self) -> str:
+        rate = f"{self.rate_mbit:g}Mbit" if self.rate_mbit else "loopback"
+        return f"{self.model}-{self.peers}peers-{rate}-H{self.local_steps}-{self.compression}"
+
+
+class BenchFailed(RuntimeError):
+    pass
+
+
+def _spawn(command: List[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(command, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+
+
+def _stop(procs: List[subprocess.Popen]) -> None:
+    """SIGINT (a clean leave), then SIGKILL of whatever is left; every daemon's children go with it."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+    deadline = time.monotonic() + 60
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run_config(cfg: BenchConfig, out: Path, topology: Optional[Topology], progress=print,
+               timeout_s: float = 3600.0) -> Dict:
+    """Run one configuration to ``cfg.outer_steps`` rounds and return its figures (see ``summarize``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    cores = os.cpu_count() or 1
+    host_of = (lambda i: topology.command(i, *_pin(i, cores))) if topology else (lambda i: _pin(i, cores))
+    address = (lambda i: topology.addresses[i]) if topology else (lambda i: "127.0.0.1")
+    python = [sys.executable, "-m", "p2ptrain"]
+    procs: List[subprocess.Popen] = []
+    try:
+        maddrs = out / "bootstrap.maddrs"
+        maddrs.unlink(missing_ok=True)
+        procs.append(_spawn([*host_of(0), *python, "bootstrap", "--host-maddrs", f"/ip4/{address(0)}/tcp/0",
+                             "--maddrs-file", str(maddrs)], out / "bootstrap.log"))
+        deadline = time.monotonic() + 60
+        while not (maddrs.exists() and maddrs.read_text().strip()):
+            if procs[0].poll() is not None or time.monotonic() > deadline:
+                raise BenchFailed(f"the bootstrap peer did not start; see {out / 'bootstrap.log'}")
+            time.sleep(0.2)
+        initial_peer = maddrs.read_text().split()[0]
+        if topology:
+            topology.start_counters()
+            wait_for_counters(topology)
+        for i in range(1, cfg.peers + 1):
+            procs.append(_spawn([
+                *host_of(i), *python, "join", "--initial-peers", initial_peer,
+                "--host-maddrs", f"/ip4/{address(i)}/tcp/0", "--run-id", f"bench-{cfg.name}",
+                "--model", cfg.model, "--batch-size", str(cfg.batch_size), "--local-steps", str(cfg.local_steps),
+                "--max-outer-steps", str(cfg.outer_steps), "--compression", cfg.compression,
+                "--num-shards", str(cfg.peers), "--shard-index", str(i - 1), "--target-group-size", str(cfg.peers),
+                "--no-group-policy", "wait", "--matchmaking-time", str(cfg.matchmaking_time_s),
+                "--averaging-timeout", "600", "--threads", "1", "--no-progress", "--log-interval", "30",
+                "--report", str(out / f"w{i}.json"),
+            ], out / f"w{i}.log"))
+        started, last = time.monotonic(), -1
+        while any(p.poll() is None for p in procs[1:]):
+            if time.monotonic() - started > timeout_s:
+                raise BenchFailed(f"{cfg.name} did not finish in {timeout_s:.0f}s")
+            failed = [i for i, p in enumerate(procs[1:], 1) if p.poll() not in (None, 0)]
+            if failed:
+                raise BenchFailed(f"worker {failed[0]} exited with {procs[failed[0]].returncode}; see "
+                                  f"{out / f'w{failed[0]}.log'}")
+            steps = min((_read(out / f"w{i}.json").get("outer_steps", 0) for i in range(1, cfg.peers + 1)))
+            if steps != last:
+                progress(f"  {cfg.name}: {steps}/{cfg.outer_steps} rounds, {time.monotonic() - started:.0f}s")
+                last = steps
+            time.sleep(1.0)
+        failed = [i for i, p in enumerate(procs[1:], 1) if p.returncode != 0]
+        if failed:
+            raise BenchFailed(f"worker {failed[0]} exited with {procs[failed[0]].returncode}; see "
+                              f"{out / f'w{failed[0]}.log'}")
+    finally:
+        _stop(procs)
+    reports = [_read(out / f"w{i}.json") for i in range(1, cfg.peers + 1)]
+    samples = topology.counters() if topology else []
+    (out / "counters.json").write_text(json.dumps(samples))
+    return summarize(cfg, reports, samples)
+
+
+def _pin(i: int, cores: int) -> List[str]:
+    return ["taskset", "-c", str(i % cores)] if cores > 1 else []
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dict:
+    """Every figure of one configuration, per peer and overall. Steady state: the window from the end of the first
+    round (which also waits for the slowest peer's start-up) to the end of the last."""
+    n = cfg.peers
+    params = count_parameters(model_config(cfg.model))
+    payload = params * BYTES_PER_VALUE[cfg.compression]
+    butterfly = 2 * (n - 1) / n * payload
+    rate_bps = cfg.rate_mbit * 1e6 / 8 if cfg.rate_mbit else None
+    peers = []
+    for host, report in enumerate(reports, 1):
+        rounds = [r for r in report["rounds"] if r["averaged"] and not r["caught_up"]]
+        steady = rounds[1:]
+        window = rounds[-1]["finished_at"] - rounds[0]["finished_at"] if steady else 0.0
+        compute = rounds[-1]["compute_s"] - rounds[0]["compute_s"] if steady else 0.0
+        per_round = []
+        for r in rounds:
+            entry = {"outer_step": r["outer_step"], "seconds": r["seconds"], "allreduce_s": r["allreduce_s"],
+                     "matchmaking_s": max(r["seconds"] - r["allreduce_s"], 0.0), "group_size": r["group_size"],
+                     "payload_sent": r["bytes_sent"], "payload_received": r["bytes_received"],
+                     "eval_loss": r["eval_loss"], "finished_at": r["finished_at"]}
+            if samples:
+                sent, received = bytes_between(samples, host, r["finished_at"] - r["seconds"], r["finished_at"])
+                entry.update(wire_sent=sent, wire_received=received)
+            per_round.append(entry)
+        peers.append({
+            "peer_id": report["peer_id"], "compute_utilization": compute / window if window else None,
+            "window_s": window, "compute_s": compute, "startup_s": report["startup_s"], "rounds": per_round,
+            "initial_eval_loss": report["initial_eval_loss"], "final_eval_loss": report["final_eval_loss"],
+            "train_started_at": report["train_started_at"],
+        })
+    steady_rounds = [r for p in peers for r in p["rounds"][1:]]
+    wire_key = "wire_sent" if samples else "payload_sent"
+    mean = (lambda xs: sum(xs) / len(xs) if xs else None)
+    bytes_per_sync = mean([max(r[wire_key], r.get("wire_received", r["payload_received"])) for r in steady_rounds])
+    sync_s = mean([r["seconds"] for r in steady_rounds])
+    bound_s = butterfly / rate_bps if rate_bps else None
+    inner_steps = cfg.local_steps * cfg.outer_steps
+    data_parallel_bytes = inner_steps * 2 * (n - 1) / n * 4 * params  # one fp32 all-reduce of the gradients a step
+    diloco_bytes = bytes_per_sync * cfg.outer_steps if bytes_per_sync else None
+    step_s = mean([p["compute_s"] / (cfg.local_steps * (len(p["rounds"]) - 1)) for p in peers if p["compute_s"]])
+    return {
+        "config": asdict(cfg), "name": cfg.name, "parameters": params, "payload_bytes": payload,
+        "butterfly_bound_bytes": butterfly, "bytes_measured_on": "wire (switch port counters)" if samples else
+        "payload (no namespaces: loopback, the peers' own counts)",
+        "bytes_per_peer_per_sync": bytes_per_sync,
+        "bytes_vs_butterfly": bytes_per_sync / butterfly if bytes_per_sync else None,
+        "sync_s": sync_s, "bandwidth_bound_s": bound_s,
+        "sync_vs_bound": sync_s / bound_s if sync_s and bound_s else None,
+        "matchmaking_s": mean([r["matchmaking_s"] for r in steady_rounds]),
+        "allreduce_s": mean([r["allreduce_s"] for r in steady_rounds]),
+        "compute_utilization": mean([p["compute_utilization"] for p in peers if p["compute_utilization"]]),
+        "utilization_bound": (cfg.local_steps * step_s / (cfg.local_steps * step_s + bound_s))
+        if step_s and bound_s else None,
+        "inner_phase_s": cfg.local_steps * step_s if step_s else None,
+        "data_parallel_bytes_per_peer": data_parallel_bytes,
+        "data_parallel_comm_s_at_link_rate": data_parallel_bytes / rate_bps if rate_bps else None,
+        "communication_reduction": data_parallel_bytes / diloco_bytes if diloco_bytes else None,
+        "final_eval_loss": mean([p["final_eval_loss"] for p in peers]),
+        "peers": peers,
+    }
