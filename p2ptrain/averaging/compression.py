@@ -218,7 +218,7 @@ class Int8Codec(WireCodec):
         codes = torch.from_numpy(np.frombuffer(buffer, dtype=np.int8, offset=4 * num_blocks).copy())
         if not (torch.isfinite(scales).all() and (scales >= 0).all()):
             raise WireFormatError("int8 part with a NaN, infinite or negative scale")
-        if (codes == -128).any():
+        if numel and int(codes.min()) == -128:
             raise WireFormatError("int8 part with the code -128 (codes are in [-127, 127])")
         values = torch.zeros(num_blocks * self.BLOCK, dtype=torch.float32)
         values[:numel] = codes
