@@ -38,7 +38,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
-from p2ptrain.averaging.compression import WireCodec
+from p2ptrain.averaging.compression import WireCodec, WireFormatError
 from p2ptrain.faults import kill_this_peer
 
 logger = get_logger(__name__)
@@ -119,7 +119,11 @@ class ExactAllReduceRunner(AllReduceRunner):
             def _try_deserialize(msg):
                 if msg.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
-                return self._codec.extract(msg.tensor_part)
+                try:
+                    return self._codec.extract(msg.tensor_part)
+                except WireFormatError as e:
+                    logger.warning(f"Reducer {peer_id} answered with an average that does not decode: {e}")
+                    raise AllreduceException(f"{peer_id} sent an average that does not decode") from e
 
             async for average in amap_in_executor(
                 _try_deserialize,
@@ -149,15 +153,21 @@ class ExactAllReduceRunner(AllReduceRunner):
         sender = self.sender_peer_ids[sender_index]
 
         def _deserialize(msg: averaging_pb2.AveragingData):
-            return self._codec.extract(msg.tensor_part), msg.weight, msg.ByteSize()
+            try:
+                return self._codec.extract(msg.tensor_part), msg.weight, msg.ByteSize(), ""
+            except WireFormatError as e:  # a broken or hostile sender: reject it like any other bad part
+                return None, msg.weight, msg.ByteSize(), str(e)
 
         part_index = 0
         try:
-            async for tensor_part, weight, num_bytes in amap_in_executor(
+            async for tensor_part, weight, num_bytes, undecodable in amap_in_executor(
                 _deserialize, stream, max_prefetch=self.tensor_part_container.prefetch
             ):
                 self.bytes_received += num_bytes  # counted here, in the event loop, not in the executor thread
-                problem = self._check_part(part_index, tensor_part, weight)
+                if undecodable:
+                    problem = f"part #{part_index} does not decode: {undecodable}"
+                else:
+                    problem = self._check_part(part_index, tensor_part, weight)
                 if problem:
                     logger.warning(f"Rejected a tensor part from {sender}: {problem}; excluding it from this round")
                     raise AllreduceException(f"{sender} sent a bad tensor part: {problem}")

@@ -11,7 +11,7 @@ import torch
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 
 from p2ptrain import DiLoCoOptimizer
-from p2ptrain.averaging.compression import get_compression, wire_parts
+from p2ptrain.averaging.compression import Int8Codec, get_compression, wire_parts
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 
@@ -402,6 +402,58 @@ def test_diverged_global_parameters_are_detected_and_repaired(two_dhts):
         for a, b in zip(models[0].parameters(), models[1].parameters()):
             assert torch.equal(a, b)
         assert opts[0]._digest == opts[1]._digest
+    finally:
+        for opt in opts:
+            opt.close()
+
+
+def test_undecodable_parts_get_the_sender_banned_not_the_reducer_killed(two_dhts, monkeypatch):
+    """Peer 1's averager sends int8 parts one byte short (its answers as a reducer are well-formed). Peer 0 rejects
+    them and bans it from its range instead of crashing; both averagers live on and nothing non-finite lands."""
+    models = [make_model() for _ in range(2)]
+    kwargs = dict(local_steps=1000, inner_optimizer=INNER, outer_optimizer=OUTER, compression="int8",
+                  matchmaking_time_s=3.0, averaging_timeout_s=10.0, target_group_size=2)
+    honest = DiLoCoOptimizer(models[0].parameters(), dht=two_dhts[0], run_id="hostile", **kwargs)
+    original = Int8Codec.compress
+
+    def truncated(self, tensor, info=None, allow_inplace=False):
+        msg = original(self, tensor, info, allow_inplace)
+        if info is not None and info.key is not None:  # a part it sends as a sender (averages carry no key)
+            msg.buffer = msg.buffer[:-1]
+        return msg
+
+    monkeypatch.setattr(Int8Codec, "compress", truncated)
+    try:
+        hostile = DiLoCoOptimizer(models[1].parameters(), dht=two_dhts[1], run_id="hostile", **kwargs)
+    finally:
+        monkeypatch.undo()  # only the hostile peer's averager process (forked just now) keeps the patch
+    opts = [honest, hostile]
+    try:
+        with torch.no_grad():
+            for i, model in enumerate(models):
+                for p in model.parameters():
+                    p.add_(0.01 * (i + 1))
+        threads = [threading.Thread(target=opt.sync) for opt in opts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+        for opt in opts:
+            assert opt.averager.is_alive()
+            assert opt.history, "the sync returned no record"
+            assert all(torch.isfinite(g).all() for g in opt.global_params)
+        # the honest peer committed a round of 2: in its own range the hostile peer's parts were left out (its
+        # pseudo-gradient alone, -0.01), in the hostile peer's range both were averaged (-0.015). After the first
+        # outer step, SGD's momentum buffer is exactly the averaged pseudo-gradient.
+        record = honest.history[-1]
+        assert record.averaged and record.group_size == 2 and record.failed_fraction == 0
+        average = torch.cat([honest.outer_optimizer.state[g]["momentum_buffer"].view(-1) for g in honest.global_params])
+        own_only = (average + 0.01).abs() < 1e-6
+        both = (average + 0.015).abs() < 1e-6
+        assert (own_only | both).all() and own_only.any() and both.any(), (own_only.sum(), both.sum())
+        # the hostile peer could not complete that round (its reducer turned it away): it took the honest state
+        assert not hostile.history[-1].averaged and hostile._digest == honest._digest
     finally:
         for opt in opts:
             opt.close()
