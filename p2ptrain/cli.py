@@ -118,8 +118,12 @@ RUN_OPTIONS: List[Tuple[str, str, Dict[str, Any]]] = [
     ("--local-steps", "diloco.local_steps", dict(type=click.IntRange(min=1), help="Inner steps between syncs (H).")),
     ("--inner-lr", "diloco.inner_lr", dict(type=float, help="AdamW learning rate.")),
     ("--outer-lr", "diloco.outer_lr", dict(type=float, help="Outer SGD (Nesterov) learning rate.")),
+    # the names of averaging/compression.py's COMPRESSIONS (spelled out: importing it would pull in hivemind and
+    # slow down --help; tests/unit/test_config.py checks that the two agree)
     ("--compression", "diloco.compression",
-     dict(type=click.Choice(["none", "fp16"]), help="Pseudo-gradients on the wire.")),
+     dict(type=click.Choice(["none", "fp16", "bf16", "int8"]),
+          help="Pseudo-gradients on the wire: fp32, fp16, bf16 (2 bytes/value) or int8 (~1 byte/value, with error "
+               "feedback).")),
     ("--matchmaking-time", "diloco.matchmaking_time_s",
      dict(type=float, help="Seconds peers look for each other before a round.")),
     ("--averaging-timeout", "diloco.averaging_timeout_s",

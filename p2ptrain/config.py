@@ -54,7 +54,8 @@ class DiLoCoConfig:
     outer_momentum: float = 0.9
     """outer Nesterov momentum"""
     compression: str = "fp16"
-    """pseudo-gradients on the wire: "fp16" (half the bytes) or "none" (fp32)"""
+    """pseudo-gradients on the wire: "fp16" (half the bytes), "bf16" (half, fp32's range, coarser), "int8" (a
+    quarter, per-block scales, with error feedback) or "none" (fp32)"""
     matchmaking_time_s: float = 5.0
     """how long peers look for each other before a round; raise it on slow links or if groups split"""
     averaging_timeout_s: float = 60.0

@@ -4,7 +4,9 @@ One sync (an "outer step"), on every peer:
 
 1. pseudo-gradient = (global parameters at the last sync) - (current parameters), fp32 on CPU
 2. average it with the peers that are ready (``PseudoGradientAverager``), each weighted by the samples it trained on
-   since the last sync; fp16 on the wire by default, fp32 accumulation; bit-identical result on every peer
+   since the last sync; fp16 on the wire by default (or none, bf16, int8), fp32 accumulation; bit-identical result
+   on every peer. With error feedback (int8 by default), the peer adds what the wire dropped of its previous
+   pseudo-gradient to this one first
 3. outer optimizer (SGD + Nesterov) steps on the fp32 global copy, with the average as its gradient
 4. the model's parameters become the new global parameters; the inner optimizer's state carries over
 
@@ -27,6 +29,7 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
 
 from p2ptrain.averaging import PseudoGradientAverager, RoundResult
+from p2ptrain.averaging.compression import COMPRESSIONS, ERROR_FEEDBACK_BY_DEFAULT, wire_residual_
 from p2ptrain.averaging.state_transfer import flatten_state, unflatten_state
 from p2ptrain.swarm.progress import ProgressPublisher, fetch_progress
 
@@ -102,7 +105,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     :param local_steps: H, inner steps between syncs
     :param inner_optimizer: a callable that builds the inner optimizer from ``params`` (e.g. ``partial(AdamW, ...)``)
     :param outer_optimizer: a callable that builds the outer optimizer from the fp32 global parameters
-    :param compression: wire format of pseudo-gradients: "none" or "fp16"
+    :param compression: wire format of pseudo-gradients: "none" (fp32), "fp16", "bf16" (2 bytes per value) or
+      "int8" (1 byte per value plus an fp32 scale per 1024 values); see ``p2ptrain/averaging/compression.py``
+    :param error_feedback: keep what the wire rounded off this peer's pseudo-gradient (fp32, CPU, one copy of the
+      parameters) and add it to the next one, so that nothing is lost for good. None (default): on for "int8" only.
+      The residual is dropped when the peer takes the swarm's state or its round is not averaged, and it is in
+      neither checkpoints (``state_dict``) nor the state newcomers download
     :param matchmaking_time_s: how long a peer looks for others before the round; raise it if peers that are
       plainly alive end up in separate groups (slow links, large swarms)
     :param averaging_timeout_s: how long the all-reduce itself may take once a group formed; raise it for large
@@ -128,6 +136,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         inner_optimizer: Callable[..., torch.optim.Optimizer],
         outer_optimizer: Callable[..., torch.optim.Optimizer],
         compression: str = "fp16",
+        error_feedback: Optional[bool] = None,
         matchmaking_time_s: float = 5.0,
         averaging_timeout_s: float = 60.0,
         min_group_size: int = 2,
@@ -147,6 +156,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             raise ValueError("matchmaking_time_s and averaging_timeout_s must be positive")
         if min_group_size < 1:
             raise ValueError(f"min_group_size must be at least 1, got {min_group_size}")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"unknown compression {compression!r}; use one of: {', '.join(COMPRESSIONS)}")
 
         self.inner_optimizer = inner_optimizer(params)
         # share the inner optimizer's groups and state: schedulers, grad clipping and zero_grad see the real thing
@@ -199,6 +210,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             client_mode=client_mode,
             shutdown_timeout=5,
         )
+        self.error_feedback = compression in ERROR_FEEDBACK_BY_DEFAULT if error_feedback is None else error_feedback
+        # error feedback: what the wire dropped of this peer's last averaged pseudo-gradient, to be sent next time.
+        # Not part of the shared state: each peer's own, and dropped whenever its rounding no longer applies
+        self._residuals: Optional[List[torch.Tensor]] = None
+        if self.error_feedback and not self.averager.codec.lossless:
+            self._residuals = [torch.zeros_like(g) for g in self.global_params]
         self._digest = self._global_digest()
         self.averager.state_provider = self._shareable_state
         self.averager.set_host_outer_step(0)
@@ -245,6 +262,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
+        # the error-feedback residual is left out on purpose: a resumed peer starts without one (at most one
+        # rounding step of its last pseudo-gradient is lost), and a checkpoint stays the same across codecs
         return {
             "inner": self.inner_optimizer.state_dict(),
             "outer": self.outer_optimizer.state_dict(),
@@ -267,6 +286,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._committed_local_step = self.local_step
         self.averager.set_host_outer_step(self.outer_step)
         self.samples_since_sync = state_dict["samples_since_sync"]
+        self._reset_residuals()
 
     # ------------------------------------------------------------------------------------------------- the sync
 
@@ -298,12 +318,23 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 diverged = True
                 for buffer in buffers:
                     buffer.zero_()
+                self._reset_residuals()
                 logger.error(
                     f"{self._tag()} the pseudo-gradient has NaN/inf values (local training diverged); "
                     "discarding this peer's local progress since the last sync; lower inner_lr if this repeats"
                 )
+            elif self._residuals is not None:
+                # error feedback: send what the wire dropped last time too, and keep what it will drop of this
+                # (the same parts, rounded the same way as the all-reduce will); kept only if the round averages
+                for buffer, residual in zip(buffers, self._residuals):
+                    buffer.add_(residual)
+                wire_residual_(self._residuals, buffers, self.averager.codec, self.averager.part_size_bytes)
 
         result, attempts = self._average(weight=0.0 if diverged else float(max(self.samples_since_sync, 1)))
+        if not isinstance(result, RoundResult):
+            # nothing went through the wire: the peer applies its pseudo-gradient unrounded (apply_local), takes
+            # the swarm's state (behind) or abandons the round; either way there is no rounding error to carry
+            self._reset_residuals()
         if result is _BEHIND:
             logger.warning(
                 f"{self._tag()} the swarm has moved past outer step {self.outer_step}; discarding this peer's "
@@ -470,6 +501,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             )
         return None, attempts
 
+    def _reset_residuals(self) -> None:
+        if self._residuals is not None:
+            for residual in self._residuals:
+                residual.zero_()
+
     def _global_digest(self) -> str:
         """A digest of the exact bits of the global parameters: equal on every peer after every committed round."""
         return _digest_of(self.global_params)
@@ -627,6 +663,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self._committed_local_step = -1 if self._donor_in_round else self.local_step
             self.samples_since_sync = 0
             self._digest = self._global_digest()
+            self._reset_residuals()  # our rounding residual belongs to a trajectory this peer just left
         self.averager.set_host_outer_step(self.outer_step)
         self.last_download = {
             "seconds": time.perf_counter() - started,

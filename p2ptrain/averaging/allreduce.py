@@ -11,6 +11,14 @@ same rounded average to every sender, and uses its decompressed value for its ow
 ``decompress(compress(avg))`` for every part, the same bits everywhere. The cost is nothing: the message has the
 size of the difference it replaces.
 
+A reducer also rounds its *own* contribution through the codec before adding it, like every other sender's: the
+average is then a function of what the senders put on the wire alone, whoever reduces a part, and what the wire
+drops of a peer's pseudo-gradient is the same over its whole vector (which error feedback relies on).
+
+Parts are encoded and decoded with the group's ``WireCodec`` (``averaging/compression.py``) in both directions, not
+with hivemind's codec registry, which has no room for the bf16 and int8 formats. A message that does not decode
+(``WireFormatError``) counts like any other bad part: its sender is excluded from the round, or its reducer failed.
+
 It also counts the payload bytes it sends and receives, and rejects a sender's part that has the wrong shape, a
 non-finite value or a bad weight instead of letting one peer poison the average.
 """
@@ -24,12 +32,13 @@ from typing import AsyncIterator, Dict, Optional
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import CompressionInfo
 from hivemind.p2p import PeerID, StubBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
-from hivemind.utils.asyncio import amap_in_executor
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
+from p2ptrain.averaging.compression import WireCodec, WireFormatError
 from p2ptrain.faults import kill_this_peer
 
 logger = get_logger(__name__)
@@ -44,6 +53,13 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     def __init__(self, *, die_after_parts: Optional[int] = None, **kwargs):
         super().__init__(**kwargs)
+        self._codec = self.tensor_part_container.compression
+        if not isinstance(self._codec, WireCodec):
+            raise TypeError(f"ExactAllReduceRunner needs a p2ptrain WireCodec, got {self._codec!r}")
+        # shape of each part of each reducer's range: an average that comes back in another shape is a failure
+        self._part_shapes_by_peer = [
+            [part.shape for part, _ in parts] for parts in self.tensor_part_container._input_parts_by_peer
+        ]
         # fault injection (p2ptrain.faults): SIGKILL this peer after answering that many averaged parts
         self._die_after_parts = die_after_parts
         self._parts_answered = 0
@@ -54,16 +70,12 @@ class ExactAllReduceRunner(AllReduceRunner):
         # part_index -> the average of that part, serialized once and shared by every sender and by ourselves
         self._serialized_averages: Dict[int, asyncio.Future] = {}
 
-    @property
-    def _wire_compression(self) -> runtime_pb2.CompressionType:
-        return self.tensor_part_container.compression.compression_type
-
     async def _serialize_average(self, part_index: int, averaged_part: torch.Tensor) -> runtime_pb2.Tensor:
         """Compress the average of one part once; every caller for that part gets the same message."""
         if part_index not in self._serialized_averages:
             loop = asyncio.get_event_loop()
             self._serialized_averages[part_index] = loop.run_in_executor(
-                None, serialize_torch_tensor, averaged_part, self._wire_compression
+                None, self._codec.compress, averaged_part, CompressionInfo.from_tensor(averaged_part)
             )
         return await self._serialized_averages[part_index]
 
@@ -72,20 +84,67 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     async def _communicate_with_peer(self, peer_id: PeerID):
         if peer_id != self.peer_id:
-            # the remote reducer answers with the rounded average itself, which the base class registers as is
-            return await super()._communicate_with_peer(peer_id)
+            return await self._communicate_with_remote_reducer(peer_id)
 
+        loop = asyncio.get_event_loop()
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            # our own contribution goes through the codec too, as it would to any other reducer
+            rounded_part = await loop.run_in_executor(None, self._codec.roundtrip, tensor_part)
             averaged_part = await self.tensor_part_reducer.accumulate_part(
-                sender_index, part_index, tensor_part, weight=self.weight
+                sender_index, part_index, rounded_part, weight=self.weight
             )
             serialized = await self._serialize_average(part_index, averaged_part)
             # use exactly what the other senders receive: decompress(compress(average))
-            self.tensor_part_container.register_processed_part(
-                peer_index, part_index, deserialize_torch_tensor(serialized)
-            )
+            self.tensor_part_container.register_processed_part(peer_index, part_index, self._codec.extract(serialized))
+
+    async def _communicate_with_remote_reducer(self, peer_id: PeerID):
+        """Sender side: stream our parts of that reducer's range to it, register the averages it answers.
+
+        hivemind's ``AllReduceRunner._communicate_with_peer`` (1.1.12) with two changes: answers are decoded with
+        the group's codec, and an answer of the wrong shape fails that reducer instead of the whole round."""
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        try:
+            done_sending = asyncio.Event()
+            inputs_aiter = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs_aiter)
+
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+
+            part_index = 0
+            expected_shapes = self._part_shapes_by_peer[peer_index]
+
+            def _try_deserialize(msg):
+                if msg.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
+                try:
+                    return self._codec.extract(msg.tensor_part)
+                except WireFormatError as e:
+                    logger.warning(f"Reducer {peer_id} answered with an average that does not decode: {e}")
+                    raise AllreduceException(f"{peer_id} sent an average that does not decode") from e
+
+            async for average in amap_in_executor(
+                _try_deserialize,
+                aiter_with_timeout(stream, self.reducer_timeout),
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                if part_index >= len(expected_shapes) or average.shape != expected_shapes[part_index]:
+                    raise AllreduceException(f"{peer_id} answered part #{part_index} with shape {average.shape}")
+                self.tensor_part_container.register_processed_part(peer_index, part_index, average)
+                part_index += 1
+
+            if part_index != self.tensor_part_container.num_parts_by_peer[peer_index]:
+                raise AllreduceException(
+                    f"peer {peer_id} sent {part_index} parts, but we expected "
+                    f"{self.tensor_part_container.num_parts_by_peer[peer_index]}"
+                )
+        except BaseException as e:
+            if isinstance(e, Exception):
+                logger.debug(f"Caught {repr(e)} when communicating to {peer_id}", exc_info=True)
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
 
     async def _accumulate_parts_streaming(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
@@ -94,15 +153,21 @@ class ExactAllReduceRunner(AllReduceRunner):
         sender = self.sender_peer_ids[sender_index]
 
         def _deserialize(msg: averaging_pb2.AveragingData):
-            return deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.ByteSize()
+            try:
+                return self._codec.extract(msg.tensor_part), msg.weight, msg.ByteSize(), ""
+            except WireFormatError as e:  # a broken or hostile sender: reject it like any other bad part
+                return None, msg.weight, msg.ByteSize(), str(e)
 
         part_index = 0
         try:
-            async for tensor_part, weight, num_bytes in amap_in_executor(
+            async for tensor_part, weight, num_bytes, undecodable in amap_in_executor(
                 _deserialize, stream, max_prefetch=self.tensor_part_container.prefetch
             ):
                 self.bytes_received += num_bytes  # counted here, in the event loop, not in the executor thread
-                problem = self._check_part(part_index, tensor_part, weight)
+                if undecodable:
+                    problem = f"part #{part_index} does not decode: {undecodable}"
+                else:
+                    problem = self._check_part(part_index, tensor_part, weight)
                 if problem:
                     logger.warning(f"Rejected a tensor part from {sender}: {problem}; excluding it from this round")
                     raise AllreduceException(f"{sender} sent a bad tensor part: {problem}")

@@ -23,7 +23,7 @@ from hivemind.utils import get_logger
 from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
 from p2ptrain.averaging.allreduce import ExactAllReduceRunner
-from p2ptrain.averaging.compression import get_compression
+from p2ptrain.averaging.compression import WireCodec, get_compression
 from p2ptrain.averaging.state_transfer import StateTransferMixin
 from p2ptrain.lifeline import follow_parent, leave_process_group
 
@@ -74,6 +74,16 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         # survivors instead of applying its own pseudo-gradient, so no survivor applies a half-averaged result
         self._incomplete_rounds = mp.Value(ctypes.c_int64, 0)
         self._init_state_transfer()
+
+    @property
+    def codec(self) -> WireCodec:
+        """The wire format of this averager's all-reduce parts."""
+        return self.allreduce_kwargs["compression"]
+
+    @property
+    def part_size_bytes(self) -> int:
+        """The all-reduce cuts each tensor into parts of this many bytes after compression (``wire_parts``)."""
+        return self.allreduce_kwargs["part_size_bytes"]
 
     @property
     def incomplete_rounds(self) -> int:

@@ -8,8 +8,10 @@ from functools import partial
 import hivemind
 import pytest
 import torch
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 
 from p2ptrain import DiLoCoOptimizer
+from p2ptrain.averaging.compression import Int8Codec, get_compression, wire_parts
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 
@@ -127,14 +129,16 @@ def test_two_peers_match_single_process_math(two_dhts):
             opt.close()
 
 
-def test_fp16_syncs_leave_peers_bit_identical(two_dhts):
+@pytest.mark.parametrize("compression", ["fp16", "bf16", "int8"])
+def test_lossy_syncs_leave_peers_bit_identical(two_dhts, compression):
     models, opts, snapshots, _ = train_peers(
-        two_dhts, compression="fp16", local_steps=3, outer_steps=4, run_id="bits"
+        two_dhts, compression=compression, local_steps=3, outer_steps=4, run_id=f"bits-{compression}"
     )
     try:
         for k in range(4):
             for a, b in zip(snapshots[0][k], snapshots[1][k]):
-                assert torch.equal(a, b), f"parameters differ after fp16 sync {k + 1}"
+                assert torch.equal(a, b), f"parameters differ after {compression} sync {k + 1}"
+        assert opts[0]._digest == opts[1]._digest
         for a, b in zip(opts[0].global_params, opts[1].global_params):
             assert torch.equal(a, b)
         state_a, state_b = opts[0].outer_optimizer.state_dict(), opts[1].outer_optimizer.state_dict()
@@ -145,6 +149,83 @@ def test_fp16_syncs_leave_peers_bit_identical(two_dhts):
     finally:
         for opt in opts:
             opt.close()
+
+
+def wire_roundtrip(tensor: torch.Tensor, codec) -> torch.Tensor:
+    """What a tensor becomes on the wire: each all-reduce part through the codec."""
+    parts = wire_parts(tensor, codec, DEFAULT_PART_SIZE_BYTES)
+    return torch.cat([codec.roundtrip(part) for part in parts]).view_as(tensor)
+
+
+def test_int8_with_error_feedback_matches_single_process_math(two_dhts):
+    """int8 with error feedback, modelled exactly in one process: every peer sends round(pseudo-gradient +
+    residual) (the reducer rounds its own part too), the reducer averages in fp32 and rounds the average once, and
+    each peer keeps residual = sent - round(sent). Without the residual, or with an unrounded own part, the result
+    is off by about half an int8 step (~1e-4 here), far above the tolerance."""
+    local_steps, outer_steps = 3, 4
+    models, opts, snapshots, before_sync = train_peers(
+        two_dhts, compression="int8", local_steps=local_steps, outer_steps=outer_steps, run_id="int8-ef"
+    )
+    try:
+        codec = get_compression("int8")
+        for opt in opts:
+            assert opt.error_feedback and opt.outer_step == outer_steps
+            assert all(r.averaged and r.group_size == 2 for r in opt.history), opt.history
+
+        ref_params = [torch.nn.Parameter(p.detach().clone()) for p in make_model().parameters()]
+        ref_outer = OUTER(ref_params)
+        residuals = [[torch.zeros_like(p) for p in ref_params] for _ in range(2)]
+        largest_residual = 0.0
+        for k in range(outer_steps):
+            with torch.no_grad():
+                for j, g in enumerate(ref_params):
+                    sent = [g - before_sync[i][k][j] + residuals[i][j] for i in range(2)]
+                    on_wire = [wire_roundtrip(x, codec) for x in sent]
+                    for i in range(2):
+                        residuals[i][j] = sent[i] - on_wire[i]
+                        largest_residual = max(largest_residual, float(residuals[i][j].abs().max()))
+                    # equal weights (8 samples each): the weighted mean is (a + b) / 2 with one fp32 rounding
+                    g.grad = wire_roundtrip((on_wire[0] * 8 + on_wire[1] * 8) / 16, codec)
+            ref_outer.step()
+            for i in range(2):
+                for got, want in zip(snapshots[i][k], ref_params):
+                    torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)
+        assert largest_residual > 1e-5  # the test would notice a missing residual
+        for i in range(2):
+            for got, want in zip(opts[i]._residuals, residuals[i]):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+        # taking the swarm's state drops the residual: it belongs to this peer's own trajectory
+        assert any(r.any() for r in opts[1]._residuals)
+        assert opts[1].load_state_from_peers(timeout_s=30)
+        assert not any(r.any() for r in opts[1]._residuals)
+    finally:
+        for opt in opts:
+            opt.close()
+
+
+def test_error_feedback_residual_is_applied_whole_when_alone(two_dhts):
+    """A peer that finds no group applies its pseudo-gradient plus its residual unrounded, and drops the residual.
+    (Error feedback is switched on here for bf16, where it is off by default.)"""
+    model = make_model()
+    opt = DiLoCoOptimizer(model.parameters(), dht=two_dhts[0], run_id="alone-ef", local_steps=1000,
+                          inner_optimizer=INNER, outer_optimizer=OUTER, compression="bf16", error_feedback=True,
+                          matchmaking_time_s=1.0, no_group_policy="apply_local")
+    try:
+        start = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+            for residual in opt._residuals:
+                residual.fill_(0.003)
+        record = opt.sync()
+        assert not record.averaged and opt.outer_step == 1
+        want = reference_step(start, [torch.full_like(s, -0.01 + 0.003) for s in start])
+        for got, expected in zip(model.parameters(), want):
+            torch.testing.assert_close(got.detach(), expected, rtol=0, atol=1e-6)
+        assert not any(r.any() for r in opt._residuals)
+    finally:
+        opt.close()
 
 
 def sync_once(dhts, run_id: str, prepare) -> list:
@@ -321,6 +402,58 @@ def test_diverged_global_parameters_are_detected_and_repaired(two_dhts):
         for a, b in zip(models[0].parameters(), models[1].parameters()):
             assert torch.equal(a, b)
         assert opts[0]._digest == opts[1]._digest
+    finally:
+        for opt in opts:
+            opt.close()
+
+
+def test_undecodable_parts_get_the_sender_banned_not_the_reducer_killed(two_dhts, monkeypatch):
+    """Peer 1's averager sends int8 parts one byte short (its answers as a reducer are well-formed). Peer 0 rejects
+    them and bans it from its range instead of crashing; both averagers live on and nothing non-finite lands."""
+    models = [make_model() for _ in range(2)]
+    kwargs = dict(local_steps=1000, inner_optimizer=INNER, outer_optimizer=OUTER, compression="int8",
+                  matchmaking_time_s=3.0, averaging_timeout_s=10.0, target_group_size=2)
+    honest = DiLoCoOptimizer(models[0].parameters(), dht=two_dhts[0], run_id="hostile", **kwargs)
+    original = Int8Codec.compress
+
+    def truncated(self, tensor, info=None, allow_inplace=False):
+        msg = original(self, tensor, info, allow_inplace)
+        if info is not None and info.key is not None:  # a part it sends as a sender (averages carry no key)
+            msg.buffer = msg.buffer[:-1]
+        return msg
+
+    monkeypatch.setattr(Int8Codec, "compress", truncated)
+    try:
+        hostile = DiLoCoOptimizer(models[1].parameters(), dht=two_dhts[1], run_id="hostile", **kwargs)
+    finally:
+        monkeypatch.undo()  # only the hostile peer's averager process (forked just now) keeps the patch
+    opts = [honest, hostile]
+    try:
+        with torch.no_grad():
+            for i, model in enumerate(models):
+                for p in model.parameters():
+                    p.add_(0.01 * (i + 1))
+        threads = [threading.Thread(target=opt.sync) for opt in opts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+        for opt in opts:
+            assert opt.averager.is_alive()
+            assert opt.history, "the sync returned no record"
+            assert all(torch.isfinite(g).all() for g in opt.global_params)
+        # the honest peer committed a round of 2: in its own range the hostile peer's parts were left out (its
+        # pseudo-gradient alone, -0.01), in the hostile peer's range both were averaged (-0.015). After the first
+        # outer step, SGD's momentum buffer is exactly the averaged pseudo-gradient.
+        record = honest.history[-1]
+        assert record.averaged and record.group_size == 2 and record.failed_fraction == 0
+        average = torch.cat([honest.outer_optimizer.state[g]["momentum_buffer"].view(-1) for g in honest.global_params])
+        own_only = (average + 0.01).abs() < 1e-6
+        both = (average + 0.015).abs() < 1e-6
+        assert (own_only | both).all() and own_only.any() and both.any(), (own_only.sum(), both.sum())
+        # the hostile peer could not complete that round (its reducer turned it away): it took the honest state
+        assert not hostile.history[-1].averaged and hostile._digest == honest._digest
     finally:
         for opt in opts:
             opt.close()

@@ -35,7 +35,7 @@ def test_file_then_overrides(tmp_path):
         ("[dilocco]\nlocal_steps = 5\n", "unknown setting 'dilocco'"),
         ("[diloco]\nlocal_steps = 'five'\n", "diloco.local_steps must be an int"),
         ("[diloco]\nlocal_steps = 0\n", "diloco.local_steps must be at least 1"),
-        ("[diloco]\ncompression = 'int4'\n", "use one of: none, fp16"),
+        ("[diloco]\ncompression = 'int4'\n", "use one of: none, fp16, bf16, int8"),
         ("[train]\nmodel = 'huge'\n", "train.model 'huge' is unknown"),
         ("[swarm]\ninitial_peers = ['not-an-address']\n", "is not a multiaddr"),
         ("[swarm]\ninitial_peers = ['/ip4/127.0.0.1/tcp/4001']\n", "has no /p2p/<peer id>"),
@@ -85,3 +85,35 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path, monkeypatch):
     assert config.train.batch_size == 6  # variable beats file
     assert config.diloco.inner_lr == 0.01 and config.train.model == "small"  # file beats default
     assert config.diloco.outer_lr == 0.7  # default
+
+
+def test_every_codec_is_selectable_from_file_and_flag(tmp_path):
+    """diloco.compression and --compression accept exactly the codecs of averaging/compression.py."""
+    import click
+    from click.testing import CliRunner
+
+    from p2ptrain.averaging.compression import COMPRESSIONS
+    from p2ptrain.cli import RUN_OPTIONS, load_run_config, run_options
+
+    assert list(COMPRESSIONS) == ["none", "fp16", "bf16", "int8"]
+    (choice,) = [kwargs["type"] for flag, _, kwargs in RUN_OPTIONS if flag == "--compression"]
+    assert list(choice.choices) == list(COMPRESSIONS)
+
+    seen = {}
+
+    @click.command()
+    @run_options(only={"diloco.compression"})
+    @click.option("--config", "config_path")
+    @click.pass_context
+    def probe(ctx, config_path, **params):
+        seen["config"] = load_run_config(ctx, config_path, params)
+
+    for name in COMPRESSIONS:
+        path = tmp_path / f"{name}.toml"
+        path.write_text(f"[diloco]\ncompression = '{name}'\n")
+        assert load_config(path).diloco.compression == name
+        result = CliRunner().invoke(probe, ["--compression", name])
+        assert result.exit_code == 0, result.output
+        assert seen["config"].diloco.compression == name
+    result = CliRunner().invoke(probe, ["--compression", "int3"])
+    assert result.exit_code == 2 and "'int3' is not one of 'none', 'fp16', 'bf16', 'int8'" in result.output
