@@ -57,15 +57,20 @@ def run_bench(*, models: Sequence[str], peers: int, rates_mbit: Sequence[Optiona
     configs: List[BenchConfig] = []
     for model in models:
         steps = list(local_steps)
+        # more workers than cores share them: a step then takes peers/cores times longer than alone on a core
+        share = max(1.0, peers / (os.cpu_count() or 1))
         for phase in phases_s:
-            h = calibrate_local_steps(model, batch_size, phase)
-            echo(f"{model}: H={h} makes an inner phase of about {phase:.0f}s on one core")
+            h = calibrate_local_steps(model, batch_size, phase / share)
+            echo(f"{model}: H={h} makes an inner phase of about {phase:.0f}s with {peers} workers on "
+                 f"{os.cpu_count()} cores")
             steps.append(h)
         for h, rate, compression in itertools.product(steps, rates_mbit, compressions):
             configs.append(BenchConfig(model=model, peers=peers, rate_mbit=rate, local_steps=h,
                                        outer_steps=outer_steps, compression=compression, batch_size=batch_size))
     results = []
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # Ctrl-C and SIGTERM both end the run cleanly (daemons stopped, namespaces removed), even when started from a
+    # shell that had SIGINT ignored (as background jobs of a non-interactive shell are)
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         for i, cfg in enumerate(configs, 1):
             echo(f"[{i}/{len(configs)}] {cfg.name}")
@@ -81,7 +86,8 @@ def run_bench(*, models: Sequence[str], peers: int, rates_mbit: Sequence[Optiona
                  f"eval loss {_num(r['final_eval_loss'], '.4f')}")
             write_report(results, out, _environment(problem))  # after each: an interrupted run keeps its figures
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return out / "report.md"
 
 

@@ -26,12 +26,14 @@ def write_report(results: List[Dict], out: Path, environment: Dict) -> Path:
         "",
         "Steady state = from the end of each peer's first round to the end of its last. Bounds: bytes, a butterfly "
         "all-reduce's 2(n-1)/n x payload per peer; seconds, those bytes over the link rate; utilization, an inner "
-        "phase over the inner phase plus that bound.",
+        "phase over the inner phase plus that bound. A sync is counted from the round's last member's arrival: the "
+        "time an earlier peer spent before that is *waiting* for a slower one (its own column, and not in "
+        "'sync s'); bytes per sync are counted over the sync proper.",
         "",
         "| configuration | params | payload MiB | MiB/peer/sync | x butterfly | sync s | bound s | x bound | "
-        "matchmaking s | all-reduce s | inner phase s | utilization | bound allows | vs data-parallel | "
+        "matchmaking s | all-reduce s | waiting s | inner phase s | utilization | bound allows | vs data-parallel | "
         "final eval loss |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         per_sync = r["bytes_per_peer_per_sync"]
@@ -40,10 +42,14 @@ def write_report(results: List[Dict], out: Path, environment: Dict) -> Path:
             f"| {r['name']} | {r['parameters'] / 1e6:.1f}M | {r['payload_bytes'] / MiB:.1f} | "
             f"{_fmt(per_sync and per_sync / MiB, '.1f')} | {_fmt(r['bytes_vs_butterfly'], '.2f')} | "
             f"{_fmt(r['sync_s'], '.2f')} | {_fmt(r['bandwidth_bound_s'], '.2f')} | {_fmt(r['sync_vs_bound'], '.2f')} | "
-            f"{_fmt(r['matchmaking_s'], '.2f')} | {_fmt(r['allreduce_s'], '.2f')} | "
+            f"{_fmt(r['matchmaking_s'], '.2f')} | {_fmt(r['allreduce_s'], '.2f')} | {_fmt(r['waiting_s'], '.2f')} | "
             f"{_fmt(r['inner_phase_s'], '.0f')} | {_fmt(util, '.1f', '%')} | {_fmt(util_bound, '.1f', '%')} | "
             f"{_fmt(r['communication_reduction'], '.0f', 'x')} | {_fmt(r['final_eval_loss'], '.4f')} |"
         )
+    chatter = [r["waiting_chatter_bytes_per_s"] for r in results if r.get("waiting_chatter_bytes_per_s")]
+    if chatter:
+        lines += ["", f"While waiting for a slower peer, a peer's link carried {max(chatter) / 1e3:.0f} kB/s at most "
+                      "(matchmaking requests under no_group_policy=wait)."]
     lines += [
         "",
         "vs data-parallel: bytes one peer would send for the same inner steps with one fp32 all-reduce of the "
@@ -84,9 +90,12 @@ def _plots(results: List[Dict], out: Path) -> List[tuple]:
     compute = [r["inner_phase_s"] or 0.0 for r in results]
     matchmaking = [r["matchmaking_s"] or 0.0 for r in results]
     transfer = [r["allreduce_s"] or 0.0 for r in results]
+    waiting = [r.get("waiting_s") or 0.0 for r in results]
     ax.barh(names, compute, label="compute (inner phase)")
-    ax.barh(names, matchmaking, left=compute, label="matchmaking")
-    ax.barh(names, transfer, left=[c + m for c, m in zip(compute, matchmaking)], label="all-reduce")
+    ax.barh(names, waiting, left=compute, label="waiting for a slower peer")
+    left = [c + w for c, w in zip(compute, waiting)]
+    ax.barh(names, matchmaking, left=left, label="matchmaking")
+    ax.barh(names, transfer, left=[x + m for x, m in zip(left, matchmaking)], label="all-reduce")
     ax.set_xlabel("seconds per round (steady state)")
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -71,7 +71,8 @@ def run_config(cfg: BenchConfig, out: Path, topology: Optional[Topology], progre
     """Run one configuration to ``cfg.outer_steps`` rounds and return its figures (see ``summarize``)."""
     out.mkdir(parents=True, exist_ok=True)
     cores = os.cpu_count() or 1
-    host_of = (lambda i: topology.command(i, *_pin(i, cores))) if topology else (lambda i: _pin(i, cores))
+    host_of = (lambda i: topology.command(i, *_pin(i, cores, cfg.peers))) if topology else \
+        (lambda i: _pin(i, cores, cfg.peers))
     address = (lambda i: topology.addresses[i]) if topology else (lambda i: "127.0.0.1")
     python = [sys.executable, "-m", "p2ptrain"]
     procs: List[subprocess.Popen] = []
@@ -125,8 +126,10 @@ def run_config(cfg: BenchConfig, out: Path, topology: Optional[Topology], progre
     return summarize(cfg, reports, samples)
 
 
-def _pin(i: int, cores: int) -> List[str]:
-    return ["taskset", "-c", str(i % cores)] if cores > 1 else []
+def _pin(i: int, cores: int, peers: int) -> List[str]:
+    """One core per worker while there are enough (the bootstrap peer shares core 0); with more workers than cores,
+    none: pinning 3 workers to 2 cores would give one a core of its own and make the other two wait for it."""
+    return ["taskset", "-c", str(i % cores)] if peers <= cores else []
 
 
 def _read(path: Path) -> dict:
@@ -144,6 +147,12 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
     payload = params * BYTES_PER_VALUE[cfg.compression]
     butterfly = 2 * (n - 1) / n * payload
     rate_bps = cfg.rate_mbit * 1e6 / 8 if cfg.rate_mbit else None
+    # when each round's last member arrived: the time a peer spent before that is waiting for a slower peer, not
+    # the cost of matchmaking or of the network
+    arrivals: Dict[int, float] = {}
+    for report in reports:
+        for r in report["rounds"]:
+            arrivals[r["outer_step"]] = max(arrivals.get(r["outer_step"], 0.0), r["finished_at"] - r["seconds"])
     peers = []
     for host, report in enumerate(reports, 1):
         rounds = [r for r in report["rounds"] if r["averaged"] and not r["caught_up"]]
@@ -152,13 +161,21 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
         compute = rounds[-1]["compute_s"] - rounds[0]["compute_s"] if steady else 0.0
         per_round = []
         for r in rounds:
+            started = r["finished_at"] - r["seconds"]
+            waiting = min(max(arrivals[r["outer_step"]] - started, 0.0), r["seconds"] - r["allreduce_s"])
             entry = {"outer_step": r["outer_step"], "seconds": r["seconds"], "allreduce_s": r["allreduce_s"],
-                     "matchmaking_s": max(r["seconds"] - r["allreduce_s"], 0.0), "group_size": r["group_size"],
-                     "payload_sent": r["bytes_sent"], "payload_received": r["bytes_received"],
-                     "eval_loss": r["eval_loss"], "finished_at": r["finished_at"]}
+                     "waiting_s": waiting, "sync_s": r["seconds"] - waiting,
+                     "matchmaking_s": max(r["seconds"] - waiting - r["allreduce_s"], 0.0),
+                     "group_size": r["group_size"], "payload_sent": r["bytes_sent"],
+                     "payload_received": r["bytes_received"], "eval_loss": r["eval_loss"],
+                     "finished_at": r["finished_at"]}
             if samples:
-                sent, received = bytes_between(samples, host, r["finished_at"] - r["seconds"], r["finished_at"])
+                # the sync proper, from the last member's arrival; the chatter while waiting is counted apart
+                sent, received = bytes_between(samples, host, started + waiting, r["finished_at"])
                 entry.update(wire_sent=sent, wire_received=received)
+                if waiting > 1.0:
+                    idle_sent, idle_received = bytes_between(samples, host, started, started + waiting)
+                    entry["waiting_bytes_per_s"] = (idle_sent + idle_received) / waiting
             per_round.append(entry)
         peers.append({
             "peer_id": report["peer_id"], "compute_utilization": compute / window if window else None,
@@ -170,7 +187,7 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
     wire_key = "wire_sent" if samples else "payload_sent"
     mean = (lambda xs: sum(xs) / len(xs) if xs else None)
     bytes_per_sync = mean([max(r[wire_key], r.get("wire_received", r["payload_received"])) for r in steady_rounds])
-    sync_s = mean([r["seconds"] for r in steady_rounds])
+    sync_s = mean([r["sync_s"] for r in steady_rounds])
     bound_s = butterfly / rate_bps if rate_bps else None
     inner_steps = cfg.local_steps * cfg.outer_steps
     data_parallel_bytes = inner_steps * 2 * (n - 1) / n * 4 * params  # one fp32 all-reduce of the gradients a step
@@ -185,6 +202,9 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
         "sync_s": sync_s, "bandwidth_bound_s": bound_s,
         "sync_vs_bound": sync_s / bound_s if sync_s and bound_s else None,
         "matchmaking_s": mean([r["matchmaking_s"] for r in steady_rounds]),
+        "waiting_s": mean([r["waiting_s"] for r in steady_rounds]),
+        "waiting_chatter_bytes_per_s": mean([r["waiting_bytes_per_s"] for p in peers for r in p["rounds"]
+                                             if "waiting_bytes_per_s" in r]),
         "allreduce_s": mean([r["allreduce_s"] for r in steady_rounds]),
         "compute_utilization": mean([p["compute_utilization"] for p in peers if p["compute_utilization"]]),
         "utilization_bound": (cfg.local_steps * step_s / (cfg.local_steps * step_s + bound_s))

@@ -1,0 +1,149 @@
+"""The convergence experiment, in one process: what DiLoCo's math gives against a lone peer and data-parallel.
+
+At the same number of inner steps per peer, on the built-in model and corpus:
+
+- ``alone``: one peer, its own shard, batch B;
+- ``data_parallel``: one model, every step the mean gradient of one batch from each of the K shards (K x B);
+- ``diloco``: K replicas, each on its own shard; every H steps the mean pseudo-gradient, rounded as the wire rounds
+  it (each sender's parts through the codec, then the average through it again, as ``ExactAllReduceRunner`` does;
+  int8 with error feedback), goes to an outer SGD with Nesterov momentum; every replica restarts from the result.
+
+The optimizers and their settings are the swarm's (``DiLoCoConfig`` defaults), so a swarm of K real peers with the
+same settings should land where ``diloco`` does (the swarm must not be worse than its own math).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
+
+from p2ptrain.averaging.compression import ERROR_FEEDBACK_BY_DEFAULT, get_compression, wire_parts
+from p2ptrain.config import DiLoCoConfig
+from p2ptrain.data import ShardedBatches, eval_batches, evaluate, load_corpus, split_train_val
+from p2ptrain.model import build_model
+
+
+@dataclass(frozen=True)
+class Setup:
+    model: str = "tiny"
+    peers: int = 4
+    batch_size: int = 16
+    steps: int = 600
+    seed: int = 0
+    eval_batches: int = 16
+
+
+def _inner(params, cfg: DiLoCoConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=cfg.inner_lr, weight_decay=cfg.inner_weight_decay,
+                             betas=tuple(cfg.inner_betas))
+
+
+def _data(setup: Setup):
+    train, val = split_train_val(load_corpus(None))
+    block = build_model(setup.model).config.block_size
+    shards = [ShardedBatches(train, block_size=block, batch_size=setup.batch_size, shard_index=i,
+                             num_shards=setup.peers, seed=setup.seed) for i in range(setup.peers)]
+    return shards, eval_batches(val, block, setup.batch_size, setup.eval_batches)
+
+
+def run_alone(setup: Setup, cfg: DiLoCoConfig = DiLoCoConfig()) -> float:
+    shards, held_out = _data(setup)
+    model = build_model(setup.model, seed=setup.seed)
+    opt = _inner(model.parameters(), cfg)
+    for _ in range(setup.steps):
+        x, y = next(shards[0])
+        model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    return evaluate(model, held_out)
+
+
+def run_data_parallel(setup: Setup, cfg: DiLoCoConfig = DiLoCoConfig()) -> float:
+    shards, held_out = _data(setup)
+    model = build_model(setup.model, seed=setup.seed)
+    opt = _inner(model.parameters(), cfg)
+    for _ in range(setup.steps):
+        for shard in shards:  # gradient accumulation: the mean over K batches
+            x, y = next(shard)
+            (model(x, y)[1] / len(shards)).backward()
+        opt.step()
+        opt.zero_grad()
+    return evaluate(model, held_out)
+
+
+def _wire(tensor: torch.Tensor, codec) -> torch.Tensor:
+    parts = wire_parts(tensor, codec, DEFAULT_PART_SIZE_BYTES)
+    return torch.cat([codec.roundtrip(part).view(-1) for part in parts]).view_as(tensor)
+
+
+def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
+               cfg: DiLoCoConfig = DiLoCoConfig()) -> float:
+    shards, held_out = _data(setup)
+    codec = get_compression(compression)
+    feedback = compression in ERROR_FEEDBACK_BY_DEFAULT
+    models = [build_model(setup.model, seed=setup.seed) for _ in range(setup.peers)]
+    inners = [_inner(m.parameters(), cfg) for m in models]
+    global_params = [p.detach().clone().requires_grad_(True) for p in models[0].parameters()]
+    outer = torch.optim.SGD(global_params, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
+    residuals = [[torch.zeros_like(g) for g in global_params] for _ in models] if feedback else None
+    for step in range(1, setup.steps + 1):
+        for model, inner, shard in zip(models, inners, shards):
+            x, y = next(shard)
+            model(x, y)[1].backward()
+            inner.step()
+            inner.zero_grad()
+        if step % local_steps:
+            continue
+        with torch.no_grad():
+            for j, g in enumerate(global_params):
+                sent = []
+                for i, model in enumerate(models):
+                    delta = g - list(model.parameters())[j]
+                    if residuals is not None:
+                        delta = delta + residuals[i][j]
+                    wired = _wire(delta, codec)
+                    if residuals is not None:
+                        residuals[i][j] = delta - wired
+                    sent.append(wired)
+                g.grad = _wire(torch.stack(sent).mean(0), codec)
+            outer.step()
+            outer.zero_grad()
+            for model in models:
+                for p, g in zip(model.parameters(), global_params):
+                    p.copy_(g)
+    return evaluate(models[0], held_out)
+
+
+def experiment(lengths: List[int], local_steps: List[int], compressions: List[str], setup: Setup = Setup(),
+               echo: Callable[[str], None] = print) -> Dict:
+    """Final eval losses of alone, data-parallel and DiLoCo (each H and codec), at each run length."""
+    results: Dict = {"setup": setup.__dict__, "runs": []}
+    for steps in lengths:
+        s = Setup(**{**setup.__dict__, "steps": steps})
+        runs = [("alone", None, None, lambda: run_alone(s)),
+                ("data_parallel", None, None, lambda: run_data_parallel(s))]
+        runs += [(f"diloco H={h} {c}", h, c, (lambda h=h, c=c: run_diloco(s, h, c)))
+                 for h in local_steps for c in compressions]
+        for name, h, c, fn in runs:
+            started = time.perf_counter()
+            loss = fn()
+            results["runs"].append({"name": name, "steps": steps, "local_steps": h, "compression": c,
+                                    "eval_loss": loss, "seconds": time.perf_counter() - started})
+            echo(f"  {steps} steps, {name}: eval loss {loss:.4f} ({time.perf_counter() - started:.0f}s)")
+    return results
+
+
+def convergence_table(results: Dict) -> List[str]:
+    lengths = sorted({r["steps"] for r in results["runs"]})
+    names = list(dict.fromkeys(r["name"] for r in results["runs"]))
+    loss: Dict[tuple, Optional[float]] = {(r["name"], r["steps"]): r["eval_loss"] for r in results["runs"]}
+    lines = ["| run | " + " | ".join(f"{n} steps" for n in lengths) + " |",
+             "|---|" + "---:|" * len(lengths)]
+    for name in names:
+        cells = [f"{loss[(name, n)]:.4f}" if loss.get((name, n)) is not None else "n/a" for n in lengths]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
