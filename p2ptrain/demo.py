@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -22,41 +21,15 @@ from typing import List, Optional
 
 from tqdm import tqdm
 
+from p2ptrain.daemons import DaemonError, spawn, stop_daemons, wait_for_address
+
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
-class DemoError(Exception):
+class DemoError(DaemonError):
     """The demo could not finish; the message says where the logs are."""
-
-
-def _spawn(args: List[str], log_path: Path) -> subprocess.Popen:
-    log = open(log_path, "wb")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "p2ptrain", *args], stdout=log, stderr=subprocess.STDOUT, env=env)
-
-
-def _stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    """SIGINT (graceful), then SIGKILL if it does not leave in time."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text().strip():
-            return path.read_text().split()[0]
-        if proc.poll() is not None:
-            raise DemoError(f"the bootstrap peer exited with code {proc.returncode}")
-        time.sleep(0.2)
-    raise DemoError(f"the bootstrap peer printed no address within {timeout_s:.0f}s")
 
 
 def run_demo(
@@ -79,10 +52,10 @@ def run_demo(
     procs: List[subprocess.Popen] = []
     ok = False
     try:
-        boot = _spawn(["bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(log_dir / "bootstrap.maddrs")],
-                      log_dir / "bootstrap.log")
+        boot = spawn(["bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(log_dir / "bootstrap.maddrs")],
+                     log_dir / "bootstrap.log")
         procs.append(boot)
-        bootstrap_maddr = _wait_for_file(log_dir / "bootstrap.maddrs", boot, timeout_s=60)
+        bootstrap_maddr = wait_for_address(log_dir / "bootstrap.maddrs", boot, timeout_s=60)
 
         threads = max(1, (os.cpu_count() or 1) // workers)
         worker_procs = []
@@ -95,7 +68,7 @@ def run_demo(
                 "--no-group-policy", "wait", "--threads", str(threads), "--log-interval", "5",
                 "--report", str(log_dir / f"worker-{i}.json"), "--no-progress",
             ]
-            worker_procs.append(_spawn(args, log_dir / f"worker-{i}.log"))
+            worker_procs.append(spawn(args, log_dir / f"worker-{i}.log"))
         procs.extend(worker_procs)
 
         _follow(worker_procs, bootstrap_maddr, run_id, workers * outer_steps * local_steps, stop)
@@ -114,8 +87,8 @@ def run_demo(
         ok = True
         return summary
     finally:
-        for proc in reversed(procs):
-            _stop(proc)
+        stop_daemons(procs[1:], timeout_s=30)  # the workers leave first, the bootstrap peer after them
+        stop_daemons(procs[:1], timeout_s=30)
         if ok and not keep_logs:
             shutil.rmtree(log_dir, ignore_errors=True)
 
