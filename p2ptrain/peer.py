@@ -85,8 +85,8 @@ class WorkerReport:
     """outer step of the state this peer started training from (after any checkpoint and state download)"""
     rounds: List[Dict[str, Any]] = field(default_factory=list)
     """one entry per sync: SyncRecord fields plus the eval loss right after it, the shard position and the
-    cumulative ``compute_s`` at that point. A round
-    joined with weight 0 while taking the swarm's state at start is one too (``caught_up``)"""
+    cumulative ``compute_s`` at that point. A round joined with weight 0 while taking the swarm's state at start
+    is one too (``caught_up``)"""
 
     def to_dict(self) -> Dict[str, Any]:
         return dict(self.__dict__)
@@ -190,7 +190,9 @@ class Worker:
                 run_id=cfg.run_id,
                 local_steps=diloco_cfg.local_steps,
                 outer_optimizer=partial(
-                    torch.optim.SGD, lr=diloco_cfg.outer_lr, momentum=diloco_cfg.outer_momentum, nesterov=True
+                    # Nesterov needs momentum: diloco.outer_momentum = 0 (allowed) is plain SGD
+                    torch.optim.SGD, lr=diloco_cfg.outer_lr, momentum=diloco_cfg.outer_momentum,
+                    nesterov=diloco_cfg.outer_momentum > 0
                 ),
                 compression=diloco_cfg.compression,
                 matchmaking_time_s=diloco_cfg.matchmaking_time_s,
