@@ -48,7 +48,9 @@ def load_checkpoint(path: str | Path) -> Dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}; drop --resume to start fresh, or check --checkpoint-dir")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        # mmap: tensors are read when used, so looking at a checkpoint's counters (a resume that compares the
+        # kinds of checkpoint, on every rank) costs no copy of the model
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
         raise CheckpointError(
             f"checkpoint {path} cannot be read ({type(e).__name__}); move it aside and start without --resume"
