@@ -389,8 +389,11 @@ def status(ctx: click.Context, as_json: bool, **params) -> None:
               help="Folder for report.md, report.json, plots and the daemons' logs.")
 @click.option("--loopback", is_flag=True, help="No namespaces or rate limit, even as root.")
 @click.option("--clean", "clean_only", is_flag=True, help="Remove namespaces a killed benchmark left, then exit.")
+@click.option("--convergence", "convergence_steps", type=click.IntRange(min=1), multiple=True,
+              help="Instead: the convergence experiment at this many inner steps (repeatable): alone, data-parallel "
+                   "with --peers x the batch, DiLoCo per --local-steps and --compression, and the real swarm.")
 def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, batch_size, out, loopback,
-          clean_only) -> None:
+          clean_only, convergence_steps) -> None:
     """Benchmark real swarms over rate-limited links (one network namespace per peer; root needed, else
     loopback): compute utilization, bytes on the wire, sync seconds against the bandwidth bound, eval loss."""
     from pathlib import Path
@@ -409,6 +412,14 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
     for name in compressions:
         if name not in COMPRESSIONS:
             raise BadInput(f"--compression {name!r} is unknown; use one of: {', '.join(COMPRESSIONS)}")
+    if convergence_steps:
+        from p2ptrain.bench.convergence import Setup, write_convergence
+
+        setup = Setup(model=models[0], peers=peers, batch_size=batch_size)
+        report = write_convergence(list(convergence_steps), list(local_steps) or [25, 50], list(compressions), setup,
+                                   Path(out), echo=click.echo)
+        click.echo(f"report: {report}")
+        return
     if not local_steps and not phases:
         phases = (60.0,)
     try:
@@ -431,14 +442,15 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
 def demo(workers: int, outer_steps: int, local_steps: int, model: str, json_path: Optional[str],
          keep_logs: bool) -> None:
     """Train the built-in model with a bootstrap peer and N workers on 127.0.0.1."""
-    from p2ptrain.demo import DemoError, run_demo
+    from p2ptrain.daemons import DaemonError
+    from p2ptrain.demo import run_demo
 
     stop = threading.Event()
     install_stop_handlers(stop.set)
     try:
         run_demo(workers=workers, outer_steps=outer_steps, local_steps=local_steps, model=model,
                  json_path=json_path, keep_logs=keep_logs, stop=stop)
-    except DemoError as e:
+    except DaemonError as e:
         click.echo(f"Error: {e}", err=True)
         sys.exit(1)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -34,7 +35,7 @@ class Setup:
     batch_size: int = 16
     steps: int = 600
     seed: int = 0
-    eval_batches: int = 16
+    eval_batches: int = 8  # the Worker's default, so the swarm's eval loss is comparable
 
 
 def _inner(params, cfg: DiLoCoConfig) -> torch.optim.Optimizer:
@@ -88,7 +89,8 @@ def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
     models = [build_model(setup.model, seed=setup.seed) for _ in range(setup.peers)]
     inners = [_inner(m.parameters(), cfg) for m in models]
     global_params = [p.detach().clone().requires_grad_(True) for p in models[0].parameters()]
-    outer = torch.optim.SGD(global_params, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
+    outer = torch.optim.SGD(global_params, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                            nesterov=cfg.outer_momentum > 0)  # as the Worker builds it
     residuals = [[torch.zeros_like(g) for g in global_params] for _ in models] if feedback else None
     for step in range(1, setup.steps + 1):
         for model, inner, shard in zip(models, inners, shards):
@@ -118,9 +120,22 @@ def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
     return evaluate(models[0], held_out)
 
 
+def run_swarm(setup: Setup, local_steps: int, compression: str, out: Path) -> float:
+    """The same DiLoCo run by real `p2ptrain join` daemons on loopback (one per shard): peer 1's final eval loss."""
+    from p2ptrain.bench.swarm import BenchConfig, run_config
+
+    if setup.steps % local_steps:
+        raise ValueError(f"{setup.steps} steps are not a whole number of rounds of H={local_steps}")
+    cfg = BenchConfig(model=setup.model, peers=setup.peers, rate_mbit=None, local_steps=local_steps,
+                      outer_steps=setup.steps // local_steps, compression=compression, batch_size=setup.batch_size)
+    result = run_config(cfg, out / f"convergence-swarm-{setup.steps}-{cfg.name}", None, progress=lambda _: None)
+    return result["peers"][0]["final_eval_loss"]
+
+
 def experiment(lengths: List[int], local_steps: List[int], compressions: List[str], setup: Setup = Setup(),
-               echo: Callable[[str], None] = print) -> Dict:
-    """Final eval losses of alone, data-parallel and DiLoCo (each H and codec), at each run length."""
+               echo: Callable[[str], None] = print, swarm_out: Optional[Path] = None) -> Dict:
+    """Final eval losses of alone, data-parallel and DiLoCo (each H and codec), at each run length; with
+    ``swarm_out``, also the real swarm for the largest H and the first codec (its logs go there)."""
     results: Dict = {"setup": setup.__dict__, "runs": []}
     for steps in lengths:
         s = Setup(**{**setup.__dict__, "steps": steps})
@@ -128,6 +143,10 @@ def experiment(lengths: List[int], local_steps: List[int], compressions: List[st
                 ("data_parallel", None, None, lambda: run_data_parallel(s))]
         runs += [(f"diloco H={h} {c}", h, c, (lambda h=h, c=c: run_diloco(s, h, c)))
                  for h in local_steps for c in compressions]
+        if swarm_out is not None:
+            h, c = max(local_steps), compressions[0]
+            runs.append((f"swarm H={h} {c} ({s.peers} join daemons)", h, c, lambda h=h, c=c: run_swarm(s, h, c,
+                                                                                                       swarm_out)))
         for name, h, c, fn in runs:
             started = time.perf_counter()
             loss = fn()
@@ -147,3 +166,19 @@ def convergence_table(results: Dict) -> List[str]:
         cells = [f"{loss[(name, n)]:.4f}" if loss.get((name, n)) is not None else "n/a" for n in lengths]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
+
+
+def write_convergence(lengths: List[int], local_steps: List[int], compressions: List[str], setup: Setup, out: Path,
+                      echo: Callable[[str], None] = print) -> Path:
+    """Run the experiment (the swarm included) and write ``out/convergence.md`` and ``out/convergence.json``."""
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    results = experiment(lengths, local_steps, compressions, setup, echo=echo, swarm_out=out)
+    (out / "convergence.json").write_text(json.dumps(results, indent=1))
+    lines = ["# Convergence: alone, data-parallel and DiLoCo at the same inner steps per peer", "",
+             f"Model {setup.model}, {setup.peers} peers (data-parallel: {setup.peers} x batch {setup.batch_size}), "
+             "the swarm's default optimizer settings; final eval loss on the held-out batches.", "",
+             *convergence_table(results), ""]
+    (out / "convergence.md").write_text("\n".join(lines))
+    return out / "convergence.md"

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
 from p2ptrain.bench.netns import Topology, bytes_between, wait_for_counters
+from p2ptrain.daemons import DaemonError, spawn, stop_daemons, wait_for_address
 from p2ptrain.memory import count_parameters
 from p2ptrain.model import model_config
 
@@ -47,64 +46,53 @@ class BenchFailed(RuntimeError):
     pass
 
 
-def _spawn(command: List[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(command, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
-
-
-def _stop(procs: List[subprocess.Popen]) -> None:
-    """SIGINT (a clean leave), then SIGKILL of whatever is left; every daemon's children go with it."""
-    for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-    deadline = time.monotonic() + 60
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 def run_config(cfg: BenchConfig, out: Path, topology: Optional[Topology], progress=print,
                timeout_s: float = 3600.0) -> Dict:
     """Run one configuration to ``cfg.outer_steps`` rounds and return its figures (see ``summarize``)."""
     out.mkdir(parents=True, exist_ok=True)
     cores = os.cpu_count() or 1
-    host_of = (lambda i: topology.command(i, *_pin(i, cores, cfg.peers))) if topology else \
-        (lambda i: _pin(i, cores, cfg.peers))
+
+    def prefix(i: int) -> List[str]:  # host i's namespace, and its core
+        return topology.command(i, *_pin(i, cores, cfg.peers)) if topology else _pin(i, cores, cfg.peers)
+
     address = (lambda i: topology.addresses[i]) if topology else (lambda i: "127.0.0.1")
-    python = [sys.executable, "-m", "p2ptrain"]
     procs: List[subprocess.Popen] = []
     try:
         maddrs = out / "bootstrap.maddrs"
         maddrs.unlink(missing_ok=True)
-        procs.append(_spawn([*host_of(0), *python, "bootstrap", "--host-maddrs", f"/ip4/{address(0)}/tcp/0",
-                             "--maddrs-file", str(maddrs)], out / "bootstrap.log"))
-        deadline = time.monotonic() + 60
-        while not (maddrs.exists() and maddrs.read_text().strip()):
-            if procs[0].poll() is not None or time.monotonic() > deadline:
-                raise BenchFailed(f"the bootstrap peer did not start; see {out / 'bootstrap.log'}")
-            time.sleep(0.2)
-        initial_peer = maddrs.read_text().split()[0]
+        procs.append(spawn(["bootstrap", "--host-maddrs", f"/ip4/{address(0)}/tcp/0", "--maddrs-file", str(maddrs)],
+                           out / "bootstrap.log", prefix(0)))
+        try:
+            initial_peer = wait_for_address(maddrs, procs[0])
+        except DaemonError as e:
+            raise BenchFailed(f"{e}; see {out / 'bootstrap.log'}") from None
         if topology:
             topology.start_counters()
             wait_for_counters(topology)
         for i in range(1, cfg.peers + 1):
-            procs.append(_spawn([
-                *host_of(i), *python, "join", "--initial-peers", initial_peer,
+            procs.append(spawn([
+                "join", "--initial-peers", initial_peer,
                 "--host-maddrs", f"/ip4/{address(i)}/tcp/0", "--run-id", f"bench-{cfg.name}",
                 "--model", cfg.model, "--batch-size", str(cfg.batch_size), "--local-steps", str(cfg.local_steps),
                 "--max-outer-steps", str(cfg.outer_steps), "--compression", cfg.compression,
+                # every round of the benchmark is a round of all its peers: with fewer allowed, a peer a few
+                # seconds late would be left out of every round (it catches up instead, its work discarded)
                 "--num-shards", str(cfg.peers), "--shard-index", str(i - 1), "--target-group-size", str(cfg.peers),
+                "--min-group-size", str(cfg.peers),
                 "--no-group-policy", "wait", "--matchmaking-time", str(cfg.matchmaking_time_s),
                 "--averaging-timeout", "600", "--threads", "1", "--no-progress", "--log-interval", "30",
                 "--report", str(out / f"w{i}.json"),
-            ], out / f"w{i}.log"))
-        started, last = time.monotonic(), -1
+            ], out / f"w{i}.log", prefix(i)))
+        started, last, first_done = time.monotonic(), -1, None
         while any(p.poll() is None for p in procs[1:]):
             if time.monotonic() - started > timeout_s:
                 raise BenchFailed(f"{cfg.name} did not finish in {timeout_s:.0f}s")
+            if first_done is None and any(p.poll() == 0 for p in procs[1:]):
+                first_done = time.monotonic()
+            if first_done is not None and time.monotonic() - first_done > 120:
+                stuck = [i for i, p in enumerate(procs[1:], 1) if p.poll() is None]
+                raise BenchFailed(f"worker(s) {stuck} still running 120s after another finished: they missed a round; "
+                                  f"see {out}/w{stuck[0]}.log")
             failed = [i for i, p in enumerate(procs[1:], 1) if p.poll() not in (None, 0)]
             if failed:
                 raise BenchFailed(f"worker {failed[0]} exited with {procs[failed[0]].returncode}; see "
@@ -119,7 +107,8 @@ def run_config(cfg: BenchConfig, out: Path, topology: Optional[Topology], progre
             raise BenchFailed(f"worker {failed[0]} exited with {procs[failed[0]].returncode}; see "
                               f"{out / f'w{failed[0]}.log'}")
     finally:
-        _stop(procs)
+        stop_daemons(procs[1:])
+        stop_daemons(procs[:1])
     reports = [_read(out / f"w{i}.json") for i in range(1, cfg.peers + 1)]
     samples = topology.counters() if topology else []
     (out / "counters.json").write_text(json.dumps(samples))
