@@ -35,6 +35,9 @@ class BenchConfig:
     compression: str = "fp16"
     batch_size: int = 16
     matchmaking_time_s: float = 5.0
+    eval_batches: int = 2
+    """held-out batches per eval (after every round): evals are wall time but not inner steps, so they lower the
+    compute utilization; the worker's default of 8 would cost a 25M-model peer ~10% of a 1-minute phase here"""
 
     @property
     def name(self) -> str:
@@ -81,6 +84,7 @@ def run_config(cfg: BenchConfig, out: Path, topology: Optional[Topology], progre
                 "--min-group-size", str(cfg.peers),
                 "--no-group-policy", "wait", "--matchmaking-time", str(cfg.matchmaking_time_s),
                 "--averaging-timeout", "600", "--threads", "1", "--no-progress", "--log-interval", "30",
+                "--eval-batches", str(cfg.eval_batches),
                 "--report", str(out / f"w{i}.json"),
             ], out / f"w{i}.log", prefix(i)))
         started, last, first_done = time.monotonic(), -1, None
