@@ -35,7 +35,7 @@ class Setup:
     batch_size: int = 16
     steps: int = 600
     seed: int = 0
-    eval_batches: int = 8  # the Worker's default, so the swarm's eval loss is comparable
+    eval_batches: int = 8  # held-out batches; the swarm's workers are given the same
 
 
 def _inner(params, cfg: DiLoCoConfig) -> torch.optim.Optimizer:
@@ -127,7 +127,8 @@ def run_swarm(setup: Setup, local_steps: int, compression: str, out: Path) -> fl
     if setup.steps % local_steps:
         raise ValueError(f"{setup.steps} steps are not a whole number of rounds of H={local_steps}")
     cfg = BenchConfig(model=setup.model, peers=setup.peers, rate_mbit=None, local_steps=local_steps,
-                      outer_steps=setup.steps // local_steps, compression=compression, batch_size=setup.batch_size)
+                      outer_steps=setup.steps // local_steps, compression=compression, batch_size=setup.batch_size,
+                      eval_batches=setup.eval_batches)
     result = run_config(cfg, out / f"convergence-swarm-{setup.steps}-{cfg.name}", None, progress=lambda _: None)
     return result["peers"][0]["final_eval_loss"]
 
