@@ -6,6 +6,7 @@ import itertools
 import os
 import platform
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
@@ -95,7 +96,7 @@ def clean() -> List[str]:
     """Remove the namespaces a killed benchmark left behind; returns their names."""
     names = leftover_namespaces()
     for name in names:
-        os.system(f"ip netns del {name}")
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return names
 
 
