@@ -170,8 +170,11 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
                     idle_sent, idle_received = bytes_between(samples, host, started, started + waiting)
                     entry["waiting_bytes_per_s"] = (idle_sent + idle_received) / waiting
             per_round.append(entry)
+        waited = sum(r["waiting_s"] for r in per_round[1:])
         peers.append({
             "peer_id": report["peer_id"], "compute_utilization": compute / window if window else None,
+            # without the time it waited for slower peers: what communication itself costs this peer
+            "utilization_without_waiting": compute / (window - waited) if window > waited else None,
             "window_s": window, "compute_s": compute, "startup_s": report["startup_s"], "rounds": per_round,
             "initial_eval_loss": report["initial_eval_loss"], "final_eval_loss": report["final_eval_loss"],
             "train_started_at": report["train_started_at"],
@@ -200,6 +203,8 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
                                              if "waiting_bytes_per_s" in r]),
         "allreduce_s": mean([r["allreduce_s"] for r in steady_rounds]),
         "compute_utilization": mean([p["compute_utilization"] for p in peers if p["compute_utilization"]]),
+        "utilization_without_waiting": mean([p["utilization_without_waiting"] for p in peers
+                                             if p["utilization_without_waiting"]]),
         "utilization_bound": (cfg.local_steps * step_s / (cfg.local_steps * step_s + bound_s))
         if step_s and bound_s else None,
         "inner_phase_s": cfg.local_steps * step_s if step_s else None,
