@@ -343,13 +343,8 @@ class ShardedDiLoCo:
         """Load the checkpoint ``<directory>/latest`` points at, whatever number of ranks wrote it: the model's and
         the inner optimizer's shards into this peer's layout, the DiLoCo state into the leader. The model keeps
         the local progress it had at save time. Call on every rank."""
-        target = _latest(Path(directory))
-        if target is None:
-            raise CheckpointError(f"no sharded checkpoint in {directory} (no 'latest' file); start without --resume")
-        model_state, optim_state = get_state_dict(model, self.inner)
-        state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(target / "shards"))
-        set_state_dict(model, self.inner, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        target = _latest_or_raise(directory)
+        _load_shards(target, model, self.inner)
         if self.is_leader:
             self.diloco.load_state_dict(load_checkpoint(target / "diloco.pt")["diloco"])
         self._broadcast_counters()
@@ -402,13 +397,26 @@ def _latest(directory: Path) -> Optional[Path]:
     return target if target.is_dir() else None
 
 
-def read_checkpoint_meta(directory: str | Path) -> dict:
-    """What ``save_checkpoint(extra=...)`` stored with the latest sharded checkpoint in ``directory`` (plus "ranks"):
-    readable before any process group exists, to check a resume against the config."""
+def _latest_or_raise(directory: str | Path) -> Path:
     target = _latest(Path(directory))
     if target is None:
         raise CheckpointError(f"no sharded checkpoint in {directory} (no 'latest' file); drop --resume to start fresh")
-    state = load_checkpoint(target / "diloco.pt")
+    return target
+
+
+def _load_shards(target: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The model's and the optimizer's state from ``target/shards`` into their current layout (any number of ranks,
+    or none)."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(target / "shards"))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def read_checkpoint_meta(directory: str | Path) -> dict:
+    """What ``save_checkpoint(extra=...)`` stored with the latest sharded checkpoint in ``directory`` (plus "ranks"):
+    readable before any process group exists, to check a resume against the config."""
+    state = load_checkpoint(_latest_or_raise(directory) / "diloco.pt")
     diloco = state.pop("diloco", {})
     return {**state, "outer_step": diloco.get("outer_step"), "local_step": diloco.get("local_step")}
 
@@ -416,11 +424,6 @@ def read_checkpoint_meta(directory: str | Path) -> dict:
 def load_sharded_into_one_rank(directory: str | Path, model: torch.nn.Module, opt: DiLoCoOptimizer) -> None:
     """Load the latest sharded checkpoint in ``directory`` (written by any number of ranks) into a 1-rank peer's
     plain model, inner optimizer and DiLoCo state. Needs no process group."""
-    target = _latest(Path(directory))
-    if target is None:
-        raise CheckpointError(f"no sharded checkpoint in {directory} (no 'latest' file); drop --resume to start fresh")
-    model_state, optim_state = get_state_dict(model, opt.inner_optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(target / "shards"))
-    set_state_dict(model, opt.inner_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    target = _latest_or_raise(directory)
+    _load_shards(target, model, opt.inner_optimizer)
     opt.load_state_dict(load_checkpoint(target / "diloco.pt")["diloco"])  # its "inner" is None: loaded above
