@@ -85,15 +85,9 @@ def install_stop_handlers(on_first: Callable[[], None]) -> None:
 
 def kill_process_tree() -> None:
     """Kill every descendant (hivemind DHT and averager processes, their p2pd) so nothing is orphaned."""
-    import psutil
+    from p2ptrain.lifeline import stop_descendants
 
-    children = psutil.Process().children(recursive=True)
-    for child in children:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(children, timeout=5)
+    stop_descendants(grace_s=0)
 
 
 # --------------------------------------------------------------------------------------- config-backed options

@@ -47,16 +47,20 @@ def follow_parent(poll_s: float = POLL_S) -> None:
 
 
 def stop_descendants(grace_s: float = TERM_GRACE_S) -> None:
-    """SIGTERM every descendant of this process (a chance to exit cleanly), SIGKILL those left after ``grace_s``."""
+    """SIGTERM every descendant of this process (a chance to exit cleanly), SIGKILL those left after ``grace_s``
+    (0: SIGKILL at once); returns once they are gone (or after 5 s more)."""
     children = psutil.Process().children(recursive=True)
-    for child in children:
+    alive = children
+    if grace_s > 0:
+        _signal_all(children, "terminate")
+        _, alive = psutil.wait_procs(children, timeout=grace_s)
+    _signal_all(alive, "kill")
+    psutil.wait_procs(alive, timeout=5)
+
+
+def _signal_all(processes, how: str) -> None:
+    for proc in processes:
         try:
-            child.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(children, timeout=grace_s)
-    for child in alive:
-        try:
-            child.kill()
+            getattr(proc, how)()
         except psutil.NoSuchProcess:
             pass
