@@ -55,6 +55,15 @@ def assert_all_gone(processes: List[psutil.Process], timeout_s: float = 10) -> N
     assert not names, f"orphaned processes after exit: {names}"
 
 
+def sigkill_leaves_no_orphans(proc: subprocess.Popen, timeout_s: float = 10) -> None:
+    """kill -9 a daemon that runs p2pd: every process it had started must exit on its own within ``timeout_s``."""
+    children = descendants(proc)
+    assert any(c.name() == "p2pd" for c in children), children
+    proc.kill()
+    proc.wait(timeout=10)
+    assert_all_gone(children, timeout_s=timeout_s)
+
+
 def start_bootstrap(tmp_path: Path, **kwargs) -> tuple:
     """A `p2ptrain bootstrap` on loopback; returns (process, its first multiaddr)."""
     proc = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(tmp_path / "maddrs"),

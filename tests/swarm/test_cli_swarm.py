@@ -16,6 +16,7 @@ from tests.helpers import (
     own_round,
     p2ptrain,
     report,
+    sigkill_leaves_no_orphans,
     spawn,
     start_bootstrap,
     start_worker,
@@ -189,11 +190,7 @@ def test_sigkilled_peer_leaves_no_orphans(tmp_path):
     proc, log = lone_waiting_worker(tmp_path, "killed")
     try:
         for victim in (proc, boot):
-            children = descendants(victim)
-            assert any(c.name() == "p2pd" for c in children), children
-            victim.kill()
-            victim.wait(timeout=10)
-            assert_all_gone(children, timeout_s=10)
+            sigkill_leaves_no_orphans(victim)
     finally:
         stop_all([proc, boot])
 

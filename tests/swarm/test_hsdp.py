@@ -28,6 +28,7 @@ from tests.helpers import (
     descendants,
     p2ptrain,
     report,
+    sigkill_leaves_no_orphans,
     spawn,
     start_bootstrap,
     start_worker,
@@ -333,10 +334,6 @@ def test_a_sigkilled_two_rank_peer_leaves_no_process_behind(tmp_path):
                  "--no-progress", "--report", str(tmp_path / "w0.json"), log=log)
     try:
         wait_until(lambda: report(tmp_path, 0).get("maddrs"), "the leader joined its DHT", 120, procs=[("join", proc)])
-        children = descendants(proc)
-        assert any(c.name() == "p2pd" for c in children), children
-        proc.kill()
-        proc.wait(timeout=10)
-        assert_all_gone(children, timeout_s=15)
+        sigkill_leaves_no_orphans(proc, timeout_s=15)
     finally:
         stop_all([proc])
