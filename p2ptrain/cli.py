@@ -97,6 +97,9 @@ def kill_process_tree() -> None:
 RUN_OPTIONS: List[Tuple[str, str, Dict[str, Any]]] = [
     ("--run-id", "run_id", dict(help="Training run name; peers of one run must share it.")),
     ("--initial-peers", "swarm.initial_peers", dict(multiple=True, help="Multiaddr of a live peer (repeatable).")),
+    ("--initial-peers-file", "swarm.initial_peers_file",
+     dict(type=click.Path(dir_okay=False),
+          help="File of initial peers, one multiaddr per line (a bootstrap peer's --maddrs-file); waited for.")),
     ("--host-maddrs", "swarm.host_maddrs", dict(multiple=True, help="Multiaddr to listen on (repeatable).")),
     ("--announce-maddrs", "swarm.announce_maddrs",
      dict(multiple=True, help="Multiaddr others should dial, e.g. your public IP and forwarded port (repeatable).")),
@@ -216,6 +219,10 @@ def load_run_config(ctx: click.Context, config_path: Optional[str], params: Dict
         raise BadInput(str(e)) from None
 
 
+HEALTH_FILE_OPTION = click.option(
+    "--health-file", type=click.Path(dir_okay=False), envvar="P2PTRAIN_HEALTH_FILE", show_envvar=True,
+    help="Rewrite this JSON file every few seconds with what the daemon is doing; `p2ptrain health` checks it.")
+
 # ------------------------------------------------------------------------------------------------ commands
 
 
@@ -229,15 +236,18 @@ def cli(ctx: click.Context, verbose: bool) -> None:
 
 
 @cli.command()
-@run_options(only={"swarm.initial_peers", "swarm.host_maddrs", "swarm.announce_maddrs", "swarm.identity_path",
-                   "swarm.use_relay", "swarm.bootstrap_timeout_s"})
+@run_options(only={"swarm.initial_peers", "swarm.initial_peers_file", "swarm.host_maddrs", "swarm.announce_maddrs",
+                   "swarm.identity_path", "swarm.use_relay", "swarm.bootstrap_timeout_s"})
 @click.option("--maddrs-file", type=click.Path(dir_okay=False, writable=True), envvar="P2PTRAIN_MADDRS_FILE",
               show_envvar=True, help="Also write the visible multiaddrs to this file, one per line.")
 @click.option("--config", "config_path", type=click.Path(), envvar="P2PTRAIN_CONFIG", show_envvar=True,
               help="TOML config file (its [swarm] table is used).")
+@HEALTH_FILE_OPTION
 @click.pass_context
-def bootstrap(ctx: click.Context, maddrs_file: Optional[str], config_path: Optional[str], **params) -> None:
+def bootstrap(ctx: click.Context, maddrs_file: Optional[str], config_path: Optional[str], health_file: Optional[str],
+              **params) -> None:
     """Run a DHT-only bootstrap peer (no model) until SIGINT/SIGTERM."""
+    from p2ptrain.config import expand_hostname
     from p2ptrain.peer import run_bootstrap
     from p2ptrain.swarm.dht import SwarmError
 
@@ -245,7 +255,8 @@ def bootstrap(ctx: click.Context, maddrs_file: Optional[str], config_path: Optio
     stop = threading.Event()
     install_stop_handlers(stop.set)
     try:
-        run_bootstrap(config.swarm, maddrs_file=maddrs_file, stop=stop)
+        run_bootstrap(config.swarm, maddrs_file=maddrs_file, stop=stop,
+                      health_file=expand_hostname(health_file) if health_file else None)
     except SwarmError as e:
         raise BadInput(str(e)) from None
 
@@ -258,14 +269,15 @@ def bootstrap(ctx: click.Context, maddrs_file: Optional[str], config_path: Optio
               show_envvar=True, help="Write a JSON report (losses, every sync) here after every sync and at exit.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
 @click.option("--resume", is_flag=True, help="Continue from the checkpoint in --checkpoint-dir.")
+@HEALTH_FILE_OPTION
 @click.option("--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
               help="Local ranks (GPUs) of this peer: the model is sharded over them with FSDP2 (via torchrun).")
 @click.pass_context
 def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[str], progress: bool, resume: bool,
-         nproc_per_node: int, **params) -> None:
+         health_file: Optional[str], nproc_per_node: int, **params) -> None:
     """Join a run as a training peer."""
     from p2ptrain.checkpoint import CheckpointError
-    from p2ptrain.config import ConfigError
+    from p2ptrain.config import ConfigError, expand_hostname
     from p2ptrain.data import DataError
     from p2ptrain.peer import Worker
     from p2ptrain.swarm.dht import SwarmError
@@ -278,9 +290,11 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
         if problem:
             raise BadInput(problem)
         _run_ranks(nproc_per_node)  # does not return: torchrun starts the ranks, each runs this command
-    if not config.swarm.initial_peers:
+    if not config.swarm.initial_peers and not config.swarm.initial_peers_file:
         logger.warning("no --initial-peers: starting a new swarm; others can join through the addresses below")
-    worker = Worker(config, report_path=report_path, show_progress=progress, resume=resume)
+    worker = Worker(config, report_path=expand_hostname(report_path) if report_path else None,
+                    show_progress=progress, resume=resume,
+                    health_file=expand_hostname(health_file) if health_file else None)
     install_stop_handlers(worker.request_stop)
     try:
         report = worker.run()
@@ -325,7 +339,7 @@ def _run_ranks(nproc: int) -> None:
 
 
 @cli.command()
-@run_options(only={"run_id", "swarm.initial_peers", "swarm.bootstrap_timeout_s"})
+@run_options(only={"run_id", "swarm.initial_peers", "swarm.initial_peers_file", "swarm.bootstrap_timeout_s"})
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.pass_context
 def status(ctx: click.Context, as_json: bool, **params) -> None:
@@ -334,8 +348,9 @@ def status(ctx: click.Context, as_json: bool, **params) -> None:
     from p2ptrain.swarm.progress import fetch_progress
 
     config = load_run_config(ctx, None, params)
-    if not config.swarm.initial_peers:
-        raise BadInput("status needs --initial-peers: the multiaddr of any live peer of the run")
+    if not config.swarm.initial_peers and not config.swarm.initial_peers_file:
+        raise BadInput("status needs --initial-peers (or --initial-peers-file): the multiaddr of any live peer of "
+                       "the run")
     swarm = config.swarm
     swarm.client_mode, swarm.host_maddrs = True, ["/ip4/0.0.0.0/tcp/0"]
     try:
@@ -362,6 +377,24 @@ def status(ctx: click.Context, as_json: bool, **params) -> None:
             age = max(0.0, time.time() - p["last_seen"])
             click.echo(f"{p['peer_id']:<54} {p['outer_step']:>6} {p['local_step']:>8} "
                        f"{p['samples_per_s']:>10.1f} {age:>8.0f}s ago")
+
+
+@cli.command()
+@click.option("--file", "health_file", type=click.Path(dir_okay=False), envvar="P2PTRAIN_HEALTH_FILE",
+              show_envvar=True, required=True, help="The daemon's --health-file.")
+@click.option("--max-age", type=click.FloatRange(min=1), default=30.0, show_default=True,
+              help="Seconds since the daemon last wrote the file, beyond which it counts as gone or hung.")
+def health(health_file: str, max_age: float) -> None:
+    """Exit 0 if the daemon writing --health-file is alive and fit to serve, else print why and exit 1 (for
+    Docker's HEALTHCHECK and other supervisors; no network, no DHT)."""
+    from p2ptrain.config import expand_hostname
+    from p2ptrain.health import check_health
+
+    problem = check_health(expand_hostname(health_file), max_age)
+    if problem:
+        click.echo(f"unhealthy: {problem}", err=True)
+        sys.exit(1)
+    click.echo("healthy")
 
 
 @cli.command()

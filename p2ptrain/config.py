@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,8 +132,16 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[Dict[str,
     for dotted, value in (overrides or {}).items():
         section, _, name = dotted.rpartition(".")
         _set(config, section, name, value, source="command line")
+    if config.train.checkpoint_dir:
+        config.train.checkpoint_dir = expand_hostname(config.train.checkpoint_dir)
     validate(config)
     return config
+
+
+def expand_hostname(path: str) -> str:
+    """``{hostname}`` in a path becomes this host's name: peers that share a volume (containers of one compose
+    service) each keep their files apart, and a restarted container finds its own again."""
+    return path.replace("{hostname}", socket.gethostname())
 
 
 def _read_toml(path: Path) -> Dict[str, Any]:

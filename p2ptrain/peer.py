@@ -25,6 +25,7 @@ from p2ptrain.checkpoint import CheckpointError, checkpoint_path, load_checkpoin
 from p2ptrain.config import ConfigError, RunConfig
 from p2ptrain.data import ShardedBatches, eval_batches, evaluate, load_corpus, split_train_val
 from p2ptrain.diloco import DiLoCoOptimizer
+from p2ptrain.health import Heartbeat, write_atomically
 from p2ptrain.hsdp import (
     LocalRanks,
     ShardedDiLoCo,
@@ -110,9 +111,13 @@ class Worker:
         report_path: Optional[str] = None,
         show_progress: bool = True,
         resume: bool = False,
+        health_file: Optional[str] = None,
     ):
         self.config = config
         self.resume = resume
+        self.health_file = health_file
+        self._phase = "starting"
+        self._dht = None
         self.report_path = report_path
         self.show_progress = show_progress
         self._stop = threading.Event()
@@ -128,6 +133,28 @@ class Worker:
             self._opt.interrupt()
 
     def run(self) -> WorkerReport:
+        """Train until done or stopped; with a health file, keep it current meanwhile (on the leader)."""
+        heartbeat = None
+        if self.health_file and LocalRanks.from_env().leader:
+            heartbeat = Heartbeat(self.health_file, self._health).start()
+        try:
+            report = self._run()
+        except BaseException as e:
+            if heartbeat is not None:
+                heartbeat.stop("failed" if not isinstance(e, KeyboardInterrupt) else "left")
+            raise
+        if heartbeat is not None:
+            heartbeat.stop("left")
+        return report
+
+    def _health(self) -> Dict[str, Any]:
+        rounds = self.report.rounds
+        return dict(role="worker", phase=self._phase, run_id=self.config.run_id, peer_id=self.report.peer_id,
+                    outer_step=self.report.outer_steps, local_step=self.report.local_steps,
+                    samples=self.report.samples, last_group_size=rounds[-1].get("group_size") if rounds else None,
+                    dht_alive=self._dht.is_alive() if self._dht is not None else None)
+
+    def _run(self) -> WorkerReport:
         cfg, started = self.config, time.monotonic()
         self._started = started
         train_cfg, diloco_cfg = cfg.train, cfg.diloco
@@ -157,6 +184,7 @@ class Worker:
                         f"{estimate.host_bytes / GiB:.2f} GiB on the host, {estimate.shm_bytes / GiB:.2f} GiB in "
                         "/dev/shm")
 
+        self._phase = "joining"
         dht = self._dht = start_dht(cfg.swarm) if ranks.leader else None
         opt = None
         try:
@@ -231,10 +259,13 @@ class Worker:
                 f"eval loss {self.report.initial_eval_loss:.4f}"
             )
             self._checkpoint_parts = (model, opt, batches)
+            self._phase = "training"
             self._train(model, opt, batches, held_out, device)
+            self._phase = "leaving"
             # only on a normal exit (done or signalled): after an exception the state may be half-updated
             self._save_checkpoint("exit")
         finally:
+            self._phase = "leaving"
             if opt is not None:
                 opt.close()
             if dht is not None:
@@ -271,10 +302,9 @@ class Worker:
         if not self.report_path or not self.ranks.leader:
             return
         path = Path(self.report_path)
-        tmp = path.with_name(path.name + ".tmp")
         try:
-            tmp.write_text(json.dumps(self.report.to_dict(), indent=2))
-            tmp.replace(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(path, json.dumps(self.report.to_dict(), indent=2))
         except OSError as e:  # a report is not worth stopping training for
             logger.error(f"[{self.report.peer_id}] could not write the report {path}: {e}")
 
@@ -501,18 +531,28 @@ class Worker:
 
 
 def run_bootstrap(
-    swarm: SwarmConfig, *, maddrs_file: Optional[str], stop: threading.Event, status_interval_s: float = 60.0
+    swarm: SwarmConfig, *, maddrs_file: Optional[str], stop: threading.Event, status_interval_s: float = 60.0,
+    health_file: Optional[str] = None,
 ) -> None:
     """A DHT-only peer: starts, prints its addresses, serves until ``stop`` is set, shuts down."""
     dht = start_dht(swarm)
+    peer_id = dht.peer_id.to_base58()
+    heartbeat = None
     try:
         maddrs = visible_maddrs(dht)
-        print(f"bootstrap peer {dht.peer_id.to_base58()} is up; workers join with --initial-peers and one of:")
+        print(f"bootstrap peer {peer_id} is up; workers join with --initial-peers and one of:")
         for maddr in maddrs:
             print(f"  {maddr}", flush=True)
-        if maddrs_file:
-            Path(maddrs_file).write_text("".join(f"{m}\n" for m in maddrs))
+        if maddrs_file:  # atomically: a worker waiting for the file must never read half of it
+            write_atomically(Path(maddrs_file), "".join(f"{m}\n" for m in maddrs))
+        if health_file:
+            heartbeat = Heartbeat(health_file, lambda: dict(role="bootstrap", phase="serving", peer_id=peer_id,
+                                                            dht_alive=dht.is_alive())).start()
         while not stop.wait(timeout=status_interval_s):
-            logger.info(f"bootstrap peer {dht.peer_id.to_base58()} serving")
+            logger.info(f"bootstrap peer {peer_id} serving")
     finally:
+        if heartbeat is not None:
+            heartbeat.stop("leaving")
         stop_dht(dht)
+        if heartbeat is not None:
+            heartbeat.beat(phase="left", dht_alive=False)

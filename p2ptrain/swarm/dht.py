@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List, Optional, Sequence
 
 import hivemind
@@ -25,6 +27,9 @@ class SwarmConfig:
 
     initial_peers: List[str] = field(default_factory=list)
     """multiaddrs of live peers (a bootstrap peer or any worker), each ending in /p2p/<peer id>"""
+    initial_peers_file: Optional[str] = None
+    """a file of more initial peers, one multiaddr per line (a bootstrap peer's --maddrs-file on a shared volume);
+    waited for up to bootstrap_timeout_s, so a worker may start before its bootstrap peer"""
     host_maddrs: List[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
     """where to listen; tcp/0 picks a free port"""
     announce_maddrs: List[str] = field(default_factory=list)
@@ -39,6 +44,33 @@ class SwarmConfig:
     """look for relays and advertise relayed addresses automatically (peers behind NAT)"""
     bootstrap_timeout_s: float = 30.0
     """give up joining if no initial peer answers within this time"""
+
+
+def read_maddrs_file(path: str, timeout_s: float, poll_s: float = 0.5) -> List[str]:
+    """The multiaddrs in ``path``, one per line (blank lines and # comments skipped), waiting up to ``timeout_s``
+    for the file to appear; SwarmError if it never does, is empty or holds something else."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            text = Path(path).read_text()
+            break
+        except FileNotFoundError:
+            if time.monotonic() >= deadline:
+                raise SwarmError(f"--initial-peers-file {path} did not appear in {timeout_s:.0f}s; start the "
+                                 "bootstrap peer with --maddrs-file pointing there, or fix the path") from None
+            time.sleep(poll_s)
+        except OSError as e:
+            raise SwarmError(f"--initial-peers-file {path} cannot be read ({e.strerror}); fix its permissions"
+                             ) from None
+    maddrs = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if not maddrs:
+        raise SwarmError(f"--initial-peers-file {path} holds no multiaddr; write one per line, or let a bootstrap "
+                         "peer write it with --maddrs-file")
+    try:
+        check_maddrs(maddrs, f"--initial-peers-file {path}", need_peer_id=True)
+    except ValueError as e:
+        raise SwarmError(str(e)) from None
+    return maddrs
 
 
 def check_maddrs(maddrs: Sequence[str], option: str, *, need_peer_id: bool = False) -> None:
@@ -74,9 +106,12 @@ def start_dht(config: SwarmConfig) -> hivemind.DHT:
     check_maddrs(config.initial_peers, "--initial-peers", need_peer_id=True)
     check_maddrs(config.host_maddrs, "--host-maddrs")
     check_maddrs(config.announce_maddrs, "--announce-maddrs")
+    initial_peers = list(config.initial_peers)
+    if config.initial_peers_file:
+        initial_peers += read_maddrs_file(config.initial_peers_file, config.bootstrap_timeout_s)
 
     dht = FollowingDHT(
-        initial_peers=config.initial_peers,
+        initial_peers=initial_peers,
         host_maddrs=config.host_maddrs,
         announce_maddrs=config.announce_maddrs or None,
         identity_path=config.identity_path,
@@ -92,9 +127,9 @@ def start_dht(config: SwarmConfig) -> hivemind.DHT:
     except (P2PDaemonError, TimeoutError, Exception) as e:
         stop_dht(dht)
         reason = str(e).splitlines()[-1] if str(e) else type(e).__name__
-        if config.initial_peers:
+        if initial_peers:
             raise SwarmError(
-                f"could not join the swarm through {', '.join(config.initial_peers)} ({reason}); check that the "
+                f"could not join the swarm through {', '.join(initial_peers)} ({reason}); check that the "
                 f"address is current and the peer is running and reachable from this host"
             ) from None
         raise SwarmError(f"could not start the DHT ({reason}); check --host-maddrs and --identity") from None

@@ -263,3 +263,56 @@ def test_newcomer_mid_run_takes_the_state_and_joins_rounds(tmp_path):
         assert abs(new["initial_eval_loss"] - swarm_loss) <= 0.1 * swarm_loss, (new["initial_eval_loss"], swarm_loss)
     finally:
         stop_all([*workers, boot])
+
+
+def health(path) -> tuple:
+    result = p2ptrain("health", "--file", str(path), "--max-age", "30")
+    return result.returncode, (result.stdout + result.stderr).strip()
+
+
+def test_workers_wait_for_the_bootstrap_peers_file_and_health_files_track_both_daemons(tmp_path):
+    """How a compose swarm starts: workers first, reading the bootstrap peer's --maddrs-file from a shared folder
+    once it appears; supervisors watch each daemon through `p2ptrain health`, which needs no network."""
+    maddrs, boot_health = tmp_path / "maddrs", tmp_path / "boot-health.json"
+    worker_health = [tmp_path / f"w{i}-health.json" for i in range(2)]
+    assert health(worker_health[0])[0] == 1
+    workers = [spawn("join", "--initial-peers-file", str(maddrs), "--bootstrap-timeout", "60",
+                     "--host-maddrs", LOOPBACK, "--run-id", "filetest", "--local-steps", "5", "--num-shards", "2",
+                     "--target-group-size", "2", "--no-group-policy", "wait",
+                     "--threads", "1", "--no-progress", "--report", str(tmp_path / f"w{i}.json"),
+                     "--health-file", str(worker_health[i]), log=tmp_path / f"w{i}.log") for i in range(2)]
+    boot = None
+    try:
+        time.sleep(3)  # the workers start before the bootstrap peer and wait for its file
+        assert all(w.poll() is None for w in workers), "a worker gave up before the file appeared"
+        boot = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(maddrs),
+                     "--health-file", str(boot_health), log=tmp_path / "boot.log")
+        procs = [("bootstrap", boot)]
+        wait_until(lambda: health(boot_health)[0] == 0, "the bootstrap peer to be healthy", 60, procs)
+        state = json.loads(boot_health.read_text())
+        assert state["role"] == "bootstrap" and maddrs.read_text().split()[0].endswith(state["peer_id"])
+
+        def synced_twice(h) -> bool:
+            state = json.loads(h.read_text()) if h.exists() else {}
+            return state.get("phase") == "training" and state.get("outer_step", 0) >= 2
+
+        wait_until(lambda: all(map(synced_twice, worker_health)), "both workers to sync twice", 120,
+                   procs + [("worker", w) for w in workers])
+        assert all(health(h) == (0, "healthy") for h in worker_health)
+        assert all(json.loads(h.read_text())["last_group_size"] == 2 for h in worker_health)
+        for w in workers:
+            w.send_signal(signal.SIGINT)
+        for w in workers:
+            assert w.wait(timeout=90) == 0
+        for i, h in enumerate(worker_health):
+            state = json.loads(h.read_text())
+            assert state["phase"] == "left" and state["outer_step"] >= 2, state
+            assert state["peer_id"] == report(tmp_path, i)["peer_id"]
+            assert health(h) == (1, "unhealthy: the daemon is left")
+
+        sigkill_leaves_no_orphans(boot)  # no "left" written: only the file's age tells
+        time.sleep(2)
+        result = p2ptrain("health", "--file", str(boot_health), "--max-age", "1")
+        assert result.returncode == 1 and "gone or hung" in result.stderr, result.stderr
+    finally:
+        stop_all(workers + ([boot] if boot else []))

@@ -48,6 +48,10 @@ def free_port() -> int:
         (["join", "--model", "124m", "--batch-size", "100000"], ["needs about", "GiB", "--activation-checkpointing"]),
         (["join", "--nproc-per-node", "2", "--device", "cuda", "--batch-size", "2"], ["needs 2 GPUs", "--device cpu"]),
         (["status"], ["--initial-peers"]),
+        # a worker started before its bootstrap peer waits for the file, then says what to fix
+        (["join", "--initial-peers-file", "/nonexistent/maddrs", "--bootstrap-timeout", "1"],
+         ["--initial-peers-file /nonexistent/maddrs did not appear in 1s", "--maddrs-file"]),
+        (["health"], ["--file"]),
         (["bootstrap", "--host-maddrs", "0.0.0.0:4001"], ["--host-maddrs", "is not a multiaddr"]),
         (["frobnicate"], ["No such command"]),
     ],
