@@ -31,6 +31,7 @@ from hivemind.averaging.partition import AllreduceException
 from p2ptrain.averaging import PseudoGradientAverager, RoundResult
 from p2ptrain.averaging.compression import COMPRESSIONS, ERROR_FEEDBACK_BY_DEFAULT, wire_residual_
 from p2ptrain.averaging.state_transfer import flatten_state, unflatten_state
+from p2ptrain.finite import all_finite
 from p2ptrain.swarm.progress import ProgressPublisher, fetch_progress
 
 logger = logging.getLogger(__name__)
@@ -312,7 +313,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         with self.averager.get_tensors() as buffers:
             for buffer, g, p in zip(buffers, self.global_params, self.params):
                 torch.sub(g, p.detach().to("cpu", torch.float32), out=buffer)
-            if not all(torch.isfinite(buffer).all() for buffer in buffers):
+            if not all(all_finite(buffer) for buffer in buffers):
                 # local training diverged: contribute nothing (weight 0, zeros) but still take the group's average,
                 # which puts this peer back on the shared parameters; the group is not kept waiting for us
                 diverged = True
@@ -692,7 +693,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             shapes += [p.shape for p, count in zip(self.params, inner_counts) for _ in range(count)]
             if any(t.shape != shape for t, shape in zip(tensors, shapes)):
                 return "tensor shapes do not match this model (another model size?)"
-            if not all(torch.isfinite(t).all() for t in tensors):
+            if not all(all_finite(t) for t in tensors):
                 return "it contains NaN or infinite values"
             if int(metadata["outer_step"]) < 0 or int(metadata["local_step"]) < 0:
                 return "negative step counters"

@@ -40,6 +40,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_
 
 from p2ptrain.averaging.compression import WireCodec, WireFormatError
 from p2ptrain.faults import kill_this_peer
+from p2ptrain.finite import all_finite
 
 logger = get_logger(__name__)
 
@@ -200,7 +201,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             return f"part #{part_index} has shape {tuple(tensor_part.shape)}, expected {tuple(expected_shape)}"
         if not (math.isfinite(weight) and weight >= 0):
             return f"weight {weight} is not a finite non-negative number"
-        if not torch.isfinite(tensor_part).all():
+        if not all_finite(tensor_part):
             return f"part #{part_index} contains NaN or infinite values"
         return ""
 

@@ -25,6 +25,7 @@ from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 from p2ptrain.averaging.allreduce import ExactAllReduceRunner
 from p2ptrain.averaging.compression import WireCodec, get_compression
 from p2ptrain.averaging.state_transfer import StateTransferMixin
+from p2ptrain.finite import all_finite
 from p2ptrain.lifeline import follow_parent, leave_process_group
 
 logger = get_logger(__name__)
@@ -175,7 +176,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
                     f"{failed_size} of {runner.tensor_part_container.total_size} values were not averaged "
                     "(a group member failed mid-round); nothing applied"
                 )
-            if not all(torch.isfinite(averaged_tensor).all() for averaged_tensor in averaged):
+            if not all(all_finite(averaged_tensor) for averaged_tensor in averaged):
                 # a reducer averaged a non-finite part of its own in; keep ours rather than take the poison
                 raise AllreduceException("the averaged result has NaN/inf values; keeping the local tensors")
             for tensor, averaged_tensor in zip(tensors, averaged):
