@@ -193,9 +193,12 @@ class Int8Codec(WireCodec):
         """(codes int8 [n], scales fp32 [ceil(n / BLOCK)]) of a float32 tensor."""
         flat = _float32_input(tensor).reshape(-1)
         numel, num_blocks = flat.numel(), self.num_blocks(flat.numel())
-        blocks = torch.zeros(num_blocks * self.BLOCK, dtype=torch.float32)
-        blocks[:numel] = flat
-        blocks = blocks.view(num_blocks, self.BLOCK)
+        if numel % self.BLOCK == 0:  # every part but a tensor's last: no padded copy
+            blocks = flat.view(num_blocks, self.BLOCK)
+        else:
+            blocks = torch.zeros(num_blocks * self.BLOCK, dtype=torch.float32)
+            blocks[:numel] = flat
+            blocks = blocks.view(num_blocks, self.BLOCK)
         scales = blocks.abs().amax(dim=1) / 127 if num_blocks else torch.zeros(0)
         if not torch.isfinite(scales).all():
             raise ValueError("int8 compression of a tensor with NaN or infinite values")
@@ -220,10 +223,21 @@ class Int8Codec(WireCodec):
             raise WireFormatError("int8 part with a NaN, infinite or negative scale")
         if numel and int(codes.min()) == -128:
             raise WireFormatError("int8 part with the code -128 (codes are in [-127, 127])")
+        return self.dequantize(codes, scales)
+
+    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """The flat fp32 values of int8 ``codes`` with their block ``scales``: ``code * scale``, in fp32."""
+        numel, num_blocks = codes.numel(), scales.numel()
         values = torch.zeros(num_blocks * self.BLOCK, dtype=torch.float32)
         values[:numel] = codes
         values = values.view(num_blocks, self.BLOCK).mul_(scales[:, None])
         return values.view(-1)[:numel].clone()
+
+    def roundtrip(self, tensor: torch.Tensor) -> torch.Tensor:
+        # the same arithmetic as decoding the message (the tests hold the two bit-equal), without building and
+        # parsing one: error feedback rounds every part of the pseudo-gradient this way before each round
+        codes, scales = self.quantize(tensor)
+        return self.dequantize(codes, scales).view(tensor.shape)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         # the codes alone: hivemind then cuts parts of part_size_bytes values (2**19 by default), a whole number
