@@ -56,20 +56,25 @@ class IncompleteRoundError(AllreduceException):
     """A group formed but the round did not finish on every part (a member died or timed out mid-round)."""
 
 
+PROTOCOL_VERSION = 2
+"""What peers must agree on beyond the codec to average together; bumped when a round's meaning changes.
+2: digests of the global parameters are sha256 (they were blake2b)."""
+
+
 class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
     """Averages a fixed set of CPU tensors with the peers that are ready at the same time.
 
     Unlike its hivemind parent, the result is identical on every peer of a group (see ``ExactAllReduceRunner``),
     the tensors are only overwritten when the round succeeded end to end (a failed round leaves them untouched,
     so a retry never averages a half-averaged vector), and ``step`` returns a ``RoundResult``.
-    Peers that use a different compression never end up in one group: the compression is part of the schema hash
-    that matchmaking compares. Newcomers take the state in chunks from several donors (``StateTransferMixin``).
+    Peers that use a different compression or protocol version never end up in one group: both are part of the
+    schema hash that matchmaking compares. Newcomers take the state in chunks from several donors (``StateTransferMixin``).
     """
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: DHT, *, compression: str, **kwargs):
         self.compression_name = compression
         super().__init__(averaged_tensors, dht, compression=get_compression(compression), start=False, **kwargs)
-        schema = [self.schema_hash.hex(), f"compression={compression}"]
+        schema = [self.schema_hash.hex(), f"compression={compression}", f"protocol={PROTOCOL_VERSION}"]
         self.schema_hash = DHTID.generate(source=schema).to_bytes()
         # rounds in which a group formed but the all-reduce did not complete: the host retries those with the
         # survivors instead of applying its own pseudo-gradient, so no survivor applies a half-averaged result
