@@ -158,14 +158,26 @@ def experiment(lengths: List[int], local_steps: List[int], compressions: List[st
 
 
 def convergence_table(results: Dict) -> List[str]:
+    """Final eval loss per run (rows) and length (columns); for DiLoCo and the swarm also the share of the gap
+    between training alone and data-parallel training that they close (100%: as good as data-parallel)."""
     lengths = sorted({r["steps"] for r in results["runs"]})
     names = list(dict.fromkeys(r["name"] for r in results["runs"]))
     loss: Dict[tuple, Optional[float]] = {(r["name"], r["steps"]): r["eval_loss"] for r in results["runs"]}
+
+    def cell(name: str, steps: int) -> str:
+        value = loss.get((name, steps))
+        if value is None:
+            return "n/a"
+        alone, dp = loss.get(("alone", steps)), loss.get(("data_parallel", steps))
+        if name in ("alone", "data_parallel") or alone is None or dp is None or alone == dp:
+            return f"{value:.5f}"
+        return f"{value:.5f} ({(alone - value) / (alone - dp):.0%})"
+
     lines = ["| run | " + " | ".join(f"{n} steps" for n in lengths) + " |",
              "|---|" + "---:|" * len(lengths)]
     for name in names:
-        cells = [f"{loss[(name, n)]:.4f}" if loss.get((name, n)) is not None else "n/a" for n in lengths]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | " + " | ".join(cell(name, n) for n in lengths) + " |")
+    lines += ["", "In brackets: the share of the gap from training alone to data-parallel training that the run closes."]
     return lines
 
 
