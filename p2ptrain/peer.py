@@ -332,10 +332,11 @@ class Worker:
             self.report.state_download = opt.last_download
         return [r for r in opt.history[records_before:] if r.averaged]
 
-    def _report_round(self, record, batches: ShardedBatches, eval_loss: float) -> None:
+    def _report_round(self, record, batches: ShardedBatches, eval_loss: float, eval_s: float = 0.0) -> None:
         entry = record.to_dict()
         entry["data_position"] = [batches.epoch, batches.position]
         entry["eval_loss"] = eval_loss
+        entry["eval_s"] = eval_s  # the held-out eval after the round: neither compute nor sync
         entry["compute_s"] = self.report.compute_s  # cumulative, so any window of rounds has its compute time
         self.report.rounds.append(entry)
         self._write_report()
@@ -503,13 +504,15 @@ class Worker:
                 if opt.outer_step != synced_before and opt.outer_step % cfg.checkpoint_every == 0:
                     self._save_checkpoint(f"outer step {opt.outer_step}")
                 if opt.outer_step != synced_before:
+                    eval_started = time.perf_counter()
                     eval_loss = self._evaluate(model, held_out, device)  # on every rank: a sharded forward
+                    eval_s = time.perf_counter() - eval_started
                     model.train()
                     self.report.outer_steps = opt.outer_step
                     self.report.final_eval_loss = eval_loss
                     if ranks.leader:
                         publish_cursor(self._dht, self.config.run_id, batches.state_dict(), opt.outer_step)
-                        self._report_round(opt.history[-1], batches, eval_loss)
+                        self._report_round(opt.history[-1], batches, eval_loss, eval_s)
                 log_due = time.monotonic() - last_log >= cfg.log_interval_s or opt.outer_step != synced_before
                 if ranks.leader and log_due:
                     self._log_line(opt, loss_value)

@@ -67,8 +67,9 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
     Unlike its hivemind parent, the result is identical on every peer of a group (see ``ExactAllReduceRunner``),
     the tensors are only overwritten when the round succeeded end to end (a failed round leaves them untouched,
     so a retry never averages a half-averaged vector), and ``step`` returns a ``RoundResult``.
-    Peers that use a different compression or protocol version never end up in one group: both are part of the
-    schema hash that matchmaking compares. Newcomers take the state in chunks from several donors (``StateTransferMixin``).
+    Peers that use a different compression or protocol version never end up in one group: both are part of
+    the schema hash that matchmaking compares. Newcomers take the state in chunks from several donors
+    (``StateTransferMixin``).
     """
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: DHT, *, compression: str, **kwargs):

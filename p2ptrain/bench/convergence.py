@@ -177,7 +177,8 @@ def convergence_table(results: Dict) -> List[str]:
              "|---|" + "---:|" * len(lengths)]
     for name in names:
         lines.append(f"| {name} | " + " | ".join(cell(name, n) for n in lengths) + " |")
-    lines += ["", "In brackets: the share of the gap from training alone to data-parallel training that the run closes."]
+    lines += ["", "In brackets: the share of the gap from training alone to data-parallel training that the run "
+                  "closes."]
     return lines
 
 

@@ -161,6 +161,7 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
                      "matchmaking_s": max(r["seconds"] - waiting - r["allreduce_s"], 0.0),
                      "group_size": r["group_size"], "payload_sent": r["bytes_sent"],
                      "payload_received": r["bytes_received"], "eval_loss": r["eval_loss"],
+                     "eval_s": r.get("eval_s", 0.0),
                      "finished_at": r["finished_at"]}
             if samples:
                 # the sync proper, from the last member's arrival; the chatter while waiting is counted apart
@@ -171,10 +172,14 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
                     entry["waiting_bytes_per_s"] = (idle_sent + idle_received) / waiting
             per_round.append(entry)
         waited = sum(r["waiting_s"] for r in per_round[1:])
+        evaluated = sum(r["eval_s"] for r in per_round[1:])
         peers.append({
             "peer_id": report["peer_id"], "compute_utilization": compute / window if window else None,
             # without the time it waited for slower peers: what communication itself costs this peer
             "utilization_without_waiting": compute / (window - waited) if window > waited else None,
+            # ... and without the held-out eval after each round (monitoring, not training; 1 s on a CPU here)
+            "utilization_without_waiting_or_eval": compute / (window - waited - evaluated)
+            if window > waited + evaluated else None,
             "window_s": window, "compute_s": compute, "startup_s": report["startup_s"], "rounds": per_round,
             "initial_eval_loss": report["initial_eval_loss"], "final_eval_loss": report["final_eval_loss"],
             "train_started_at": report["train_started_at"],
@@ -202,9 +207,12 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
         "waiting_chatter_bytes_per_s": mean([r["waiting_bytes_per_s"] for p in peers for r in p["rounds"]
                                              if "waiting_bytes_per_s" in r]),
         "allreduce_s": mean([r["allreduce_s"] for r in steady_rounds]),
+        "eval_s": mean([r["eval_s"] for r in steady_rounds]),
         "compute_utilization": mean([p["compute_utilization"] for p in peers if p["compute_utilization"]]),
         "utilization_without_waiting": mean([p["utilization_without_waiting"] for p in peers
                                              if p["utilization_without_waiting"]]),
+        "utilization_without_waiting_or_eval": mean([p["utilization_without_waiting_or_eval"] for p in peers
+                                                     if p["utilization_without_waiting_or_eval"]]),
         "utilization_bound": (cfg.local_steps * step_s / (cfg.local_steps * step_s + bound_s))
         if step_s and bound_s else None,
         "inner_phase_s": cfg.local_steps * step_s if step_s else None,

@@ -39,7 +39,9 @@ def test_bench_measures_a_rate_limited_swarm_and_cleans_up(tmp_path):
     assert result["sync_s"] >= result["bandwidth_bound_s"]
     for peer in result["peers"]:
         assert [r["group_size"] for r in peer["rounds"]] == [2, 2, 2]
-        assert 0.0 < peer["compute_utilization"] < 1.0
+        assert 0.0 < peer["compute_utilization"] <= peer["utilization_without_waiting"] \
+            <= peer["utilization_without_waiting_or_eval"] < 1.0
+        assert all(r["eval_s"] > 0 for r in peer["rounds"])
         assert all(r["wire_sent"] >= r["payload_sent"] for r in peer["rounds"])
     assert result["final_eval_loss"] < result["peers"][0]["initial_eval_loss"]
     assert result["communication_reduction"] > 1
