@@ -256,7 +256,7 @@ def bootstrap(ctx: click.Context, maddrs_file: Optional[str], config_path: Optio
     install_stop_handlers(stop.set)
     try:
         run_bootstrap(config.swarm, maddrs_file=maddrs_file, stop=stop,
-                      health_file=expand_hostname(health_file) if health_file else None)
+                      health_file=expand_hostname(health_file))
     except SwarmError as e:
         raise BadInput(str(e)) from None
 
@@ -292,9 +292,8 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
         _run_ranks(nproc_per_node)  # does not return: torchrun starts the ranks, each runs this command
     if not config.swarm.initial_peers and not config.swarm.initial_peers_file:
         logger.warning("no --initial-peers: starting a new swarm; others can join through the addresses below")
-    worker = Worker(config, report_path=expand_hostname(report_path) if report_path else None,
-                    show_progress=progress, resume=resume,
-                    health_file=expand_hostname(health_file) if health_file else None)
+    worker = Worker(config, report_path=expand_hostname(report_path), show_progress=progress, resume=resume,
+                    health_file=expand_hostname(health_file))
     install_stop_handlers(worker.request_stop)
     try:
         report = worker.run()

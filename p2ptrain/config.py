@@ -132,16 +132,15 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[Dict[str,
     for dotted, value in (overrides or {}).items():
         section, _, name = dotted.rpartition(".")
         _set(config, section, name, value, source="command line")
-    if config.train.checkpoint_dir:
-        config.train.checkpoint_dir = expand_hostname(config.train.checkpoint_dir)
+    config.train.checkpoint_dir = expand_hostname(config.train.checkpoint_dir)
     validate(config)
     return config
 
 
-def expand_hostname(path: str) -> str:
+def expand_hostname(path: Optional[str]) -> Optional[str]:
     """``{hostname}`` in a path becomes this host's name: peers that share a volume (containers of one compose
-    service) each keep their files apart, and a restarted container finds its own again."""
-    return path.replace("{hostname}", socket.gethostname())
+    service) each keep their files apart, and a restarted container finds its own again. None stays None."""
+    return path.replace("{hostname}", socket.gethostname()) if path else path
 
 
 def _read_toml(path: Path) -> Dict[str, Any]:

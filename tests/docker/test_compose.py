@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -61,9 +62,8 @@ class Compose:
     def __init__(self, project: str, settings: Dict[str, str]):
         self.project = project
         self.env = {**os.environ, **settings}
-        v1 = subprocess.run(["docker-compose", "version"], capture_output=True).returncode == 0 \
-            if _which("docker-compose") else False
-        self.base = (["docker-compose"] if v1 else ["docker", "compose"]) + ["-p", project, "-f", str(COMPOSE_FILE)]
+        compose = ["docker-compose"] if shutil.which("docker-compose") else ["docker", "compose"]
+        self.base = compose + ["-p", project, "-f", str(COMPOSE_FILE)]
 
     def __call__(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
         return run(*self.base, *args, timeout=timeout, check=check, env=self.env)
@@ -77,10 +77,6 @@ class Compose:
     def volume_dir(self, name: str) -> Path:
         volume = f"{self.project}_{name}"
         return Path(run("docker", "volume", "inspect", "-f", "{{.Mountpoint}}", volume).stdout.strip())
-
-
-def _which(name: str) -> bool:
-    return any(os.access(os.path.join(d, name), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep))
 
 
 def hostname(container: str) -> str:
