@@ -485,16 +485,35 @@ def main(argv: Optional[List[str]] = None) -> None:
     """Entry point: click's errors and ours become one line on stderr with exit code 2."""
     try:
         code = cli.main(args=argv, prog_name="p2ptrain", standalone_mode=False)
+        code = code if isinstance(code, int) else 0
     except click.exceptions.Abort:
-        sys.exit(EXIT_FORCED)
+        code = EXIT_FORCED
     except click.UsageError as e:
         command = e.ctx.command_path if e.ctx else "p2ptrain"
         click.echo(f"Error: {e.format_message()} (see '{command} --help')", err=True)
-        sys.exit(EXIT_BAD_INPUT)
+        code = EXIT_BAD_INPUT
     except click.ClickException as e:
         click.echo(f"Error: {e.format_message()}", err=True)
-        sys.exit(e.exit_code)
-    sys.exit(code if isinstance(code, int) else 0)
+        code = e.exit_code
+    except SystemExit as e:
+        if not _in_rank_process():
+            raise
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except Exception:
+        if not _in_rank_process():
+            raise
+        logger.exception("this rank failed")
+        code = 1
+    if _in_rank_process():
+        from p2ptrain.hsdp import exit_rank
+
+        exit_rank(code)  # a rank of a multi-rank peer: see exit_rank for why it skips interpreter finalization
+    sys.exit(code)
+
+
+def _in_rank_process() -> bool:
+    hsdp = sys.modules.get("p2ptrain.hsdp")  # not imported by the commands that start no ranks
+    return hsdp is not None and hsdp.ranks_started()
 
 
 if __name__ == "__main__":

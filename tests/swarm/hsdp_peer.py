@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from p2ptrain.data import ShardedBatches, load_corpus, split_train_val
 from p2ptrain.diloco import DiLoCoOptimizer
-from p2ptrain.hsdp import ShardedDiLoCo, shard_model
+from p2ptrain.hsdp import ShardedDiLoCo, exit_rank, shard_model
 from p2ptrain.model import build_model
 
 BATCH = 4
@@ -120,3 +120,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank(0)  # as `p2ptrain join` ranks do: no interpreter finalization racing gloo's worker threads
