@@ -104,6 +104,9 @@ RUN_OPTIONS: List[Tuple[str, str, Dict[str, Any]]] = [
     ("--announce-maddrs", "swarm.announce_maddrs",
      dict(multiple=True, help="Multiaddr others should dial, e.g. your public IP and forwarded port (repeatable).")),
     ("--identity", "swarm.identity_path", dict(help="Private key file for a stable peer id; created if missing.")),
+    ("--swarm-key", "swarm.swarm_key_file",
+     dict(type=click.Path(dir_okay=False),
+          help="The swarm's shared key file (p2ptrain keygen); only peers holding it take part. Default: open.")),
     ("--client-mode/--no-client-mode", "swarm.client_mode",
      dict(help="Accept no incoming connections: for hosts behind NAT without port forwarding.")),
     ("--use-relay/--no-use-relay", "swarm.use_relay",
@@ -237,7 +240,7 @@ def cli(ctx: click.Context, verbose: bool) -> None:
 
 @cli.command()
 @run_options(only={"swarm.initial_peers", "swarm.initial_peers_file", "swarm.host_maddrs", "swarm.announce_maddrs",
-                   "swarm.identity_path", "swarm.use_relay", "swarm.bootstrap_timeout_s"})
+                   "swarm.identity_path", "swarm.use_relay", "swarm.bootstrap_timeout_s", "swarm.swarm_key_file"})
 @click.option("--maddrs-file", type=click.Path(dir_okay=False, writable=True), envvar="P2PTRAIN_MADDRS_FILE",
               show_envvar=True, help="Also write the visible multiaddrs to this file, one per line.")
 @click.option("--config", "config_path", type=click.Path(), envvar="P2PTRAIN_CONFIG", show_envvar=True,
@@ -281,6 +284,7 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
     from p2ptrain.data import DataError
     from p2ptrain.peer import Worker
     from p2ptrain.swarm.dht import SwarmError
+    from p2ptrain.swarm.progress import RunMismatch
 
     config = load_run_config(ctx, config_path, params)
     if nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
@@ -297,7 +301,7 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
     install_stop_handlers(worker.request_stop)
     try:
         report = worker.run()
-    except (CheckpointError, ConfigError, DataError, SwarmError) as e:
+    except (CheckpointError, ConfigError, DataError, RunMismatch, SwarmError) as e:
         raise BadInput(str(e)) from None
     losses = (f"eval loss {report.initial_eval_loss:.4f} -> {report.final_eval_loss:.4f}" if report.rounds
               else f"eval loss {report.initial_eval_loss:.4f}, no round committed")
@@ -338,7 +342,8 @@ def _run_ranks(nproc: int) -> None:
 
 
 @cli.command()
-@run_options(only={"run_id", "swarm.initial_peers", "swarm.initial_peers_file", "swarm.bootstrap_timeout_s"})
+@run_options(only={"run_id", "swarm.initial_peers", "swarm.initial_peers_file", "swarm.bootstrap_timeout_s",
+                   "swarm.swarm_key_file"})
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.pass_context
 def status(ctx: click.Context, as_json: bool, **params) -> None:
@@ -376,6 +381,20 @@ def status(ctx: click.Context, as_json: bool, **params) -> None:
             age = max(0.0, time.time() - p["last_seen"])
             click.echo(f"{p['peer_id']:<54} {p['outer_step']:>6} {p['local_step']:>8} "
                        f"{p['samples_per_s']:>10.1f} {age:>8.0f}s ago")
+
+
+@cli.command()
+@click.argument("path", type=click.Path(dir_okay=False))
+def keygen(path: str) -> None:
+    """Write a new swarm key to PATH (mode 0600). Give the same file to every peer of a private swarm with
+    --swarm-key; peers without it cannot join groups, write records or download the model."""
+    from p2ptrain.security import KeyFileError, generate_swarm_key
+
+    try:
+        generate_swarm_key(path)
+    except KeyFileError as e:
+        raise BadInput(str(e)) from None
+    click.echo(f"wrote a new swarm key to {path}; copy it (mode 0600) to every peer and pass --swarm-key {path}")
 
 
 @cli.command()

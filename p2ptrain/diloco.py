@@ -29,10 +29,11 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
 
 from p2ptrain.averaging import PseudoGradientAverager, RoundResult
+from p2ptrain.averaging.averager import PROTOCOL_VERSION
 from p2ptrain.averaging.compression import COMPRESSIONS, ERROR_FEEDBACK_BY_DEFAULT, wire_residual_
 from p2ptrain.averaging.state_transfer import flatten_state, unflatten_state
 from p2ptrain.finite import all_finite
-from p2ptrain.swarm.progress import ProgressPublisher, fetch_progress
+from p2ptrain.swarm.progress import ProgressPublisher, check_run_settings, fetch_progress
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     :param averager_start_timeout_s: how long the averager process may take to start
     :param progress_period_s: how often the peer's progress record in the DHT is refreshed between syncs
     :param progress: publish progress through this publisher (e.g. one that already carries a shard claim)
+    :param max_norm_ratio: a peer's part of the all-reduce (or a reducer's average) whose norm exceeds this many
+      times this peer's own values over the same range is refused and the peer excluded for a while; None: no bound
     """
 
     def __init__(
@@ -150,6 +153,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         averager_start_timeout_s: float = 60.0,
         progress_period_s: float = 5.0,
         progress: Optional[ProgressPublisher] = None,
+        max_norm_ratio: Optional[float] = 10.0,
     ):
         if local_steps < 1:
             raise ValueError(f"local_steps must be at least 1, got {local_steps}")
@@ -212,6 +216,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             next_chunk_timeout=averaging_timeout_s / 2,
             client_mode=client_mode,
             shutdown_timeout=5,
+            max_norm_ratio=max_norm_ratio,
         )
         self.error_feedback = compression in ERROR_FEEDBACK_BY_DEFAULT if error_feedback is None else error_feedback
         # error feedback: what the wire dropped of this peer's last averaged pseudo-gradient, to be sent next time.
@@ -228,6 +233,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         """how long serving the last snapshot to newcomers held up this peer's training (the state lock)"""
         self.last_download: Optional[dict] = None
         """how the last state download went: seconds, bytes, chunks per donor, donors that failed"""
+        # a peer with another model or settings would never group with the run's peers (the schema hash differs)
+        # and would wait, or train alone, in silence: refuse it now, naming the difference
+        check_run_settings(self.run_settings(), fetch_progress(dht, run_id, timeout_s=5.0), run_id)
         try:
             self.averager.start_in_background(timeout_s=averager_start_timeout_s)
         except Exception as e:
@@ -239,6 +247,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             raise
         self.progress = progress or ProgressPublisher(dht, run_id, period_s=progress_period_s)
         self.progress.client_mode = self.averager.client_mode
+        self.progress.settings = self.run_settings()
         self._throughput_since = time.monotonic()
         self._throughput_samples = 0
         self.samples_per_s = 0.0
@@ -539,6 +548,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         finally:
             if not self.averager.client_mode:
                 self.averager.allow_state_sharing = True
+
+    def run_settings(self) -> dict:
+        """What every peer of the run must agree on (swarm/progress.SETTINGS), as this peer has it."""
+        schema = hashlib.sha256(repr([(tuple(g.shape), str(g.dtype)) for g in self.global_params]).encode())
+        return dict(params_schema=schema.hexdigest()[:16], local_steps=self.local_steps,
+                    compression=self.averager.compression_name, protocol=PROTOCOL_VERSION)
 
     def swarm_outer_step(self) -> int:
         """The highest outer step among the run's other live peers (from their progress records), or -1."""

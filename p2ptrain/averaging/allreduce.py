@@ -20,14 +20,17 @@ with hivemind's codec registry, which has no room for the bf16 and int8 formats.
 (``WireFormatError``) counts like any other bad part: its sender is excluded from the round, or its reducer failed.
 
 It also counts the payload bytes it sends and receives, and rejects a sender's part that has the wrong shape, a
-non-finite value or a bad weight instead of letting one peer poison the average.
+non-finite value, a bad weight or a norm above ``max_norm_ratio`` times the reducer's own part over the same range,
+instead of letting one peer poison the average; a sender rejects a reducer's average on the same grounds (then that
+range counts as failed and the round is run again without it). Either way the peer is reported to ``on_bad_peer``
+(the averager bans it from its groups for a while).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from typing import AsyncIterator, Dict, Optional
+from typing import AsyncIterator, Callable, Dict, Optional
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
@@ -52,8 +55,14 @@ class ExactAllReduceRunner(AllReduceRunner):
     values (``failed_size`` in ``tensor_part_container`` counts them).
     """
 
-    def __init__(self, *, die_after_parts: Optional[int] = None, **kwargs):
+    def __init__(self, *, die_after_parts: Optional[int] = None, max_norm_ratio: Optional[float] = None,
+                 on_bad_peer: Optional[Callable[[PeerID, str], None]] = None, **kwargs):
         super().__init__(**kwargs)
+        # a part (or an average) whose L2 norm exceeds max_norm_ratio x our own values' norm over the same range is
+        # refused: we are honest, and honest peers' pseudo-gradients over one range are alike in size
+        self._max_norm_ratio = max_norm_ratio
+        self._on_bad_peer = on_bad_peer or (lambda peer, reason: None)
+        self._own_norms: Dict[tuple, float] = {}
         self._codec = self.tensor_part_container.compression
         if not isinstance(self._codec, WireCodec):
             raise TypeError(f"ExactAllReduceRunner needs a p2ptrain WireCodec, got {self._codec!r}")
@@ -132,7 +141,14 @@ class ExactAllReduceRunner(AllReduceRunner):
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 if part_index >= len(expected_shapes) or average.shape != expected_shapes[part_index]:
-                    raise AllreduceException(f"{peer_id} answered part #{part_index} with shape {average.shape}")
+                    problem = f"answered part #{part_index} with shape {tuple(average.shape)}"
+                else:
+                    own = self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0]
+                    problem = self._check_values(("sent", peer_index, part_index), average, own, "an average")
+                if problem:
+                    logger.warning(f"Reducer {peer_id} {problem}; not applying its range")
+                    self._on_bad_peer(peer_id, f"as a reducer it {problem}")
+                    raise AllreduceException(f"{peer_id} {problem}")
                 self.tensor_part_container.register_processed_part(peer_index, part_index, average)
                 part_index += 1
 
@@ -171,6 +187,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                     problem = self._check_part(part_index, tensor_part, weight)
                 if problem:
                     logger.warning(f"Rejected a tensor part from {sender}: {problem}; excluding it from this round")
+                    self._on_bad_peer(sender, f"it sent a bad tensor part: {problem}")
                     raise AllreduceException(f"{sender} sent a bad tensor part: {problem}")
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
@@ -201,8 +218,23 @@ class ExactAllReduceRunner(AllReduceRunner):
             return f"part #{part_index} has shape {tuple(tensor_part.shape)}, expected {tuple(expected_shape)}"
         if not (math.isfinite(weight) and weight >= 0):
             return f"weight {weight} is not a finite non-negative number"
-        if not all_finite(tensor_part):
-            return f"part #{part_index} contains NaN or infinite values"
+        own = self.parts_for_local_averaging[part_index]
+        return self._check_values(("received", part_index), tensor_part, own, f"part #{part_index}")
+
+    def _check_values(self, key: tuple, values: torch.Tensor, own: torch.Tensor, what: str) -> str:
+        """Why ``values`` (a peer's part, or an average a reducer sent) must not be used: non-finite, or larger
+        than ``max_norm_ratio`` times our own values over the same range. Empty if they may."""
+        if not all_finite(values):
+            return f"{what} contains NaN or infinite values"
+        if self._max_norm_ratio is None:
+            return ""
+        if key not in self._own_norms:
+            self._own_norms[key] = float(torch.linalg.vector_norm(own.float()))
+        own_norm = self._own_norms[key]
+        norm = float(torch.linalg.vector_norm(values.float()))
+        if own_norm > 0 and norm > self._max_norm_ratio * own_norm:
+            return (f"{what} has norm {norm:.4g}, more than {self._max_norm_ratio:g}x our own {own_norm:.4g} over "
+                    "the same range")
         return ""
 
     def finalize(self, **kwargs):

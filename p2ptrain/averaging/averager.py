@@ -8,7 +8,7 @@ import multiprocessing as mp
 import signal
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, AsyncIterator, Dict, Optional, Sequence
 
 import torch
 from hivemind import DHT
@@ -19,6 +19,8 @@ from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
 from hivemind.dht import DHTID
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
@@ -27,6 +29,7 @@ from p2ptrain.averaging.compression import WireCodec, get_compression
 from p2ptrain.averaging.state_transfer import StateTransferMixin
 from p2ptrain.finite import all_finite
 from p2ptrain.lifeline import follow_parent, leave_process_group
+from p2ptrain.security import SwarmAuth
 
 logger = get_logger(__name__)
 
@@ -56,9 +59,13 @@ class IncompleteRoundError(AllreduceException):
     """A group formed but the round did not finish on every part (a member died or timed out mid-round)."""
 
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """What peers must agree on beyond the codec to average together; bumped when a round's meaning changes.
-2: digests of the global parameters are sha256 (they were blake2b)."""
+2: digests of the global parameters are sha256 (they were blake2b). 3: join requests carry an admission token,
+records about a peer are signed, parts are checked against the reducer's own norm."""
+
+BAN_S = 600.0
+"""how long a peer that sent a bad part or a bad average is kept out of this peer's groups"""
 
 
 class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
@@ -72,8 +79,13 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
     (``StateTransferMixin``).
     """
 
-    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: DHT, *, compression: str, **kwargs):
+    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: DHT, *, compression: str,
+                 max_norm_ratio: Optional[float] = 10.0, **kwargs):
         self.compression_name = compression
+        # who may take part: the swarm key's rule (security.SwarmAuth) that start_dht attached to the DHT
+        self.auth: SwarmAuth = getattr(dht, "auth", SwarmAuth())
+        self.max_norm_ratio = max_norm_ratio
+        self._banned: Dict[PeerID, tuple] = {}  # averager process: peer -> (monotonic end of its ban, why)
         super().__init__(averaged_tensors, dht, compression=get_compression(compression), start=False, **kwargs)
         schema = [self.schema_hash.hex(), f"compression={compression}", f"protocol={PROTOCOL_VERSION}"]
         self.schema_hash = DHTID.generate(source=schema).to_bytes()
@@ -113,17 +125,88 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         follow_parent()  # a SIGKILLed host must not leave this process behind
         super().run()
 
+    def step(self, gather: Optional[Dict[str, Any]] = None, **kwargs):
+        # every join request and every group's gathered data carry our admission token (empty in an open swarm)
+        return super().step(gather=dict(gather or {}, admission=self.auth.token(self.peer_id)), **kwargs)
+
+    # ------------------------------------------------------------------------------------- admission and bans
+
+    def ban(self, peer: PeerID, reason: str) -> None:
+        """Keep ``peer`` out of our groups for ``BAN_S`` (averager process): we neither accept its join request,
+        nor ask it to lead us, nor stay in a group that holds it."""
+        if not self.is_banned(peer):
+            logger.warning(f"excluding peer {peer} from this run for {BAN_S:.0f}s: {reason}")
+        self._banned[peer] = (time.monotonic() + BAN_S, reason)
+
+    def is_banned(self, peer: PeerID) -> bool:
+        until, _ = self._banned.get(peer, (None, ""))
+        if until is not None and until < time.monotonic():
+            del self._banned[peer]
+            return False
+        return until is not None
+
+    def _refusal(self, peer: PeerID, gathered: bytes) -> str:
+        """Why ``peer``, which sent ``gathered`` (its join request's or its group entry's), may not average with us;
+        an empty string if it may."""
+        if self.is_banned(peer):
+            return f"it is excluded ({self._banned[peer][1]})"
+        try:
+            user_gathered = self.serializer.loads(self.serializer.loads(gathered)[2])
+            token = user_gathered.get("admission") if isinstance(user_gathered, dict) else None
+        except Exception:
+            token = None
+        if not self.auth.admits(peer, token):
+            return "it does not hold this swarm's key (--swarm-key)"
+        return ""
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        refusal = self._refusal(context.remote_id, request.gather)
+        if refusal:
+            logger.warning(f"refused peer {context.remote_id}'s request to join our group: {refusal}")
+            self.ban(context.remote_id, refusal)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    def _check_members(self, group_info: GroupInfo) -> None:
+        """A leader we do not know may have put anyone in the group: every member must be admitted by us too."""
+        for peer_id, gathered in zip(group_info.peer_ids, group_info.gathered):
+            refusal = self._refusal(peer_id, gathered) if peer_id != self.peer_id else ""
+            if refusal:
+                logger.warning(f"left a group with peer {peer_id} in it: {refusal}")
+                self.ban(peer_id, refusal)
+                raise MatchmakingException(f"the group holds peer {peer_id}, which we refuse: {refusal}")
+
+    async def _step(self, **kwargs):
+        matchmaking = self._matchmaking
+        if not getattr(matchmaking, "p2ptrain_guarded", False):
+            # never ask a peer we refuse to lead our group (hivemind's matchmaking has no hook for it)
+            request_join_group = matchmaking._request_join_group
+
+            async def guarded_request_join_group(leader: PeerID):
+                if self.is_banned(leader):
+                    return None
+                return await request_join_group(leader)
+
+            matchmaking._request_join_group = guarded_request_join_group
+            matchmaking.p2ptrain_guarded = True
+        return await super()._step(**kwargs)
+
     def start_in_background(self, timeout_s: float) -> None:
         """Start the averager process and wait until it serves requests. Safe to call from any thread."""
         self.start()
         self.wait_until_ready(timeout_s)
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs) -> RoundResult:
+        self._check_members(group_info)  # before the round counts as started: a refused group is no round
         started = time.perf_counter()
         try:
             bandwidths, mode_ids, user_gathered_bytes = zip(*map(self.serializer.loads, group_info.gathered))
             gathered = {
-                peer_id.to_base58(): self.serializer.loads(data)
+                peer_id.to_base58(): _without_admission(self.serializer.loads(data))
                 for peer_id, data in zip(group_info.peer_ids, user_gathered_bytes)
             }
             modes = tuple(map(AveragingMode, mode_ids))
@@ -163,6 +246,8 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
             tensors=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
+            max_norm_ratio=self.max_norm_ratio,
+            on_bad_peer=self.ban,
             **kwargs,
         )
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
@@ -196,3 +281,10 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
             bytes_received=runner.bytes_received,
             failed_fraction=container.failed_size / max(container.total_size, 1),
         )
+
+
+def _without_admission(gathered: Any) -> Any:
+    """A member's gathered metadata as the host sees it: the admission token has done its job."""
+    if isinstance(gathered, dict):
+        gathered.pop("admission", None)
+    return gathered

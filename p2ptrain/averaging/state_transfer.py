@@ -31,7 +31,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Dict, List, Optional
+from typing import AsyncIterator, Dict, List, Optional, Set
 
 import numpy as np
 import torch
@@ -47,6 +47,9 @@ logger = get_logger(__name__)
 
 CHUNK_VALUES = 256 * 1024
 """float32 values per chunk: 1 MiB, well inside libp2p's 2 MiB limit for one unary message"""
+MAX_STATE_VALUES_PER_PARAMETER = 8
+"""a state (global parameters, outer momentum, inner optimizer tensors) announced larger than this many values per
+averaged parameter is refused before anything is allocated for it"""
 SNAPSHOT_IDLE_S = 60.0
 """a donor drops its snapshot after this long without a request for it"""
 SNAPSHOT_REFRESH_S = 5.0
@@ -119,6 +122,7 @@ class StateTransferMixin:
         self._host_outer_step = mp.Value(ctypes.c_int64, -1)
         self._chunks_served = 0
         self._fault = fault_from_env()
+        self._state_refused: Set[PeerID] = set()
 
     def set_host_outer_step(self, outer_step: int) -> None:
         """Tell the averager process the host's current outer step: a snapshot of an older one gets replaced."""
@@ -126,10 +130,21 @@ class StateTransferMixin:
 
     # ------------------------------------------------------------------------------------------------ donor side
 
+    def _refuses_state_to(self, request, context: P2PContext) -> bool:
+        """True (and logged) if the caller may not have our state: no swarm key, or excluded for misbehaving."""
+        peer = context.remote_id
+        if self.auth.admits(peer, request.admission) and not self.is_banned(peer):
+            return False
+        if peer not in self._state_refused:  # once per peer: a refused peer may ask for every chunk
+            self._state_refused.add(peer)
+            logger.warning(f"refused peer {peer} our state: "
+                           f"{'it is excluded' if self.is_banned(peer) else 'it does not hold the swarm key'}")
+        return True
+
     async def rpc_state_info(
-        self, _request: p2ptrain_pb2.StateInfoRequest, _context: P2PContext
+        self, request: p2ptrain_pb2.StateInfoRequest, context: P2PContext
     ) -> p2ptrain_pb2.StateInfo:
-        if not self.allow_state_sharing:
+        if not self.allow_state_sharing or self._refuses_state_to(request, context):
             return p2ptrain_pb2.StateInfo(available=False)
         snapshot = await self._current_snapshot()
         return p2ptrain_pb2.StateInfo(
@@ -142,11 +157,12 @@ class StateTransferMixin:
         )
 
     async def rpc_state_chunk(
-        self, request: p2ptrain_pb2.StateChunkRequest, _context: P2PContext
+        self, request: p2ptrain_pb2.StateChunkRequest, context: P2PContext
     ) -> p2ptrain_pb2.StateChunk:
         snapshot = self._snapshot
         if (
             not self.allow_state_sharing
+            or self._refuses_state_to(request, context)
             or snapshot is None
             or (snapshot.outer_step, snapshot.digest) != (request.outer_step, request.digest)
             or request.index * CHUNK_VALUES >= snapshot.flat.numel()
@@ -232,11 +248,18 @@ class StateTransferMixin:
     async def _ask_info(self, peer: PeerID) -> Optional[p2ptrain_pb2.StateInfo]:
         try:
             stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-            info = await asyncio.wait_for(stub.rpc_state_info(p2ptrain_pb2.StateInfoRequest()), timeout=INFO_TIMEOUT_S)
+            request = p2ptrain_pb2.StateInfoRequest(admission=self.auth.token(self.peer_id))
+            info = await asyncio.wait_for(stub.rpc_state_info(request), timeout=INFO_TIMEOUT_S)
         except Exception as e:
             logger.debug(f"donor {peer} gave no state info: {e!r}")
             return None
         if not info.available or info.chunk_values != CHUNK_VALUES or info.num_values == 0:
+            return None
+        # global parameters, outer momentum and the inner optimizer's moments are a few times the parameters; a
+        # donor announcing more would make us allocate what it says, so it is no donor
+        if info.num_values > MAX_STATE_VALUES_PER_PARAMETER * self.total_size + 65536:
+            logger.warning(f"state donor {peer} announced {info.num_values} values for a model of "
+                           f"{self.total_size}; skipping it")
             return None
         return info
 
@@ -302,7 +325,8 @@ class StateTransferMixin:
                 timeout_s = max(1.0, min(CHUNK_TIMEOUT_S, deadline - time.monotonic()))
                 chunk = await asyncio.wait_for(
                     stub.rpc_state_chunk(p2ptrain_pb2.StateChunkRequest(
-                        outer_step=target[0], digest=target[1], index=index)),
+                        outer_step=target[0], digest=target[1], index=index,
+                        admission=self.auth.token(self.peer_id))),
                     timeout=timeout_s,
                 )
                 start = index * CHUNK_VALUES

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence
 
 import hivemind
-from hivemind.p2p import P2PDaemonError
+from hivemind.p2p import P2P, P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2ptrain.lifeline import follow_parent, leave_process_group
+from p2ptrain.security import (KeyFileError, PeerSignatureValidator, SwarmAuth, SwarmKeyValidator,
+                               limit_stream_messages, load_identity, load_swarm_key)
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,8 @@ class SwarmConfig:
     """look for relays and advertise relayed addresses automatically (peers behind NAT)"""
     bootstrap_timeout_s: float = 30.0
     """give up joining if no initial peer answers within this time"""
+    swarm_key_file: Optional[str] = None
+    """the swarm's shared key (``p2ptrain keygen``): only peers holding it take part; None: an open swarm"""
 
 
 def read_maddrs_file(path: str, timeout_s: float, poll_s: float = 0.5) -> List[str]:
@@ -90,7 +96,12 @@ def check_maddrs(maddrs: Sequence[str], option: str, *, need_peer_id: bool = Fal
 
 class FollowingDHT(hivemind.DHT):
     """hivemind's DHT process, in a process group of its own with its p2pd (signals meant for the peer's group do
-    not stop them under a leaving peer), which exits (taking p2pd along) when the process that started it is gone."""
+    not stop them under a leaving peer), which exits (taking p2pd along) when the process that started it is gone.
+
+    ``auth`` is the swarm's admission rule (security.SwarmAuth), which the averager applies to its peers too."""
+
+    auth: SwarmAuth = SwarmAuth()
+    _identity_dir: Optional[str] = None
 
     def run(self) -> None:
         leave_process_group()
@@ -109,12 +120,37 @@ def start_dht(config: SwarmConfig) -> hivemind.DHT:
     initial_peers = list(config.initial_peers)
     if config.initial_peers_file:
         initial_peers += read_maddrs_file(config.initial_peers_file, config.bootstrap_timeout_s)
+    try:
+        auth = SwarmAuth.from_key(load_swarm_key(config.swarm_key_file) if config.swarm_key_file else None)
+    except KeyFileError as e:
+        raise SwarmError(str(e)) from None
+
+    # records about a peer are signed with its libp2p identity key, so we need the key file: the user's, or a
+    # fresh one in a private folder that lives as long as the DHT (then the peer id is new each start, as before)
+    identity_path, identity_dir = config.identity_path, None
+    if identity_path is None:
+        identity_dir = tempfile.mkdtemp(prefix="p2ptrain-identity-")
+        identity_path = str(Path(identity_dir) / "identity.key")
+        P2P.generate_identity(identity_path)
+    elif not Path(identity_path).exists():
+        P2P.generate_identity(identity_path)
+    try:
+        validators = [PeerSignatureValidator(load_identity(identity_path))]
+    except (KeyFileError, OSError, ValueError) as e:
+        raise SwarmError(f"--identity {identity_path} is not a usable identity key ({e}); remove the file and "
+                         "p2ptrain creates a new one (the peer id changes)") from None
+    if auth.private:
+        validators.append(SwarmKeyValidator(auth))
+    limit_stream_messages()
 
     dht = FollowingDHT(
         initial_peers=initial_peers,
         host_maddrs=config.host_maddrs,
         announce_maddrs=config.announce_maddrs or None,
-        identity_path=config.identity_path,
+        identity_path=identity_path,
+        # a key made just now is nobody else's: skip hivemind's check, which starts a second p2pd to dial it
+        check_if_identity_free=identity_dir is None,
+        record_validators=validators,
         client_mode=config.client_mode,
         use_relay=config.use_relay,
         use_auto_relay=config.use_auto_relay,
@@ -122,6 +158,10 @@ def start_dht(config: SwarmConfig) -> hivemind.DHT:
         startup_timeout=config.bootstrap_timeout_s,
         start=False,
     )
+    dht.auth, dht._identity_dir = auth, identity_dir
+    if not auth.private:
+        logger.warning("this swarm is OPEN: any host that reaches a peer can join it, average with it and download "
+                       "the model; give every peer --swarm-key FILE (p2ptrain keygen FILE) to make it private")
     try:
         dht.run_in_background(await_ready=True, timeout=config.bootstrap_timeout_s + 5)
     except (P2PDaemonError, TimeoutError, Exception) as e:
@@ -154,3 +194,5 @@ def stop_dht(dht: hivemind.DHT) -> None:
             dht.join(timeout=5)
     except (AssertionError, ValueError):
         pass  # never started
+    if getattr(dht, "_identity_dir", None):
+        shutil.rmtree(dht._identity_dir, ignore_errors=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 from typing import List, Optional
 
 from google.protobuf.message import DecodeError
@@ -29,6 +30,30 @@ def progress_key(run_id: str) -> str:
     return f"{run_id}_progress"
 
 
+class RunMismatch(ValueError):
+    """This peer's model or settings differ from the run's live peers'; the message names each difference."""
+
+
+SETTINGS = ("params_schema", "local_steps", "compression", "protocol")
+"""the PeerProgress fields every peer of a run must agree on"""
+
+
+def check_run_settings(mine: dict, records: List[PeerProgress], run_id: str) -> None:
+    """Raise RunMismatch if ``mine`` (SETTINGS -> value) differs from what most live peers publish."""
+    others = [r for r in records if r.params_schema]  # records of peers before protocol 3 carry no settings
+    if not others:
+        return
+    differences = []
+    for name in SETTINGS:
+        values = Counter(getattr(r, name) for r in others)
+        theirs, count = values.most_common(1)[0]
+        if theirs != mine[name]:
+            differences.append(f"{name} {mine[name]!r} here, {theirs!r} on {count} of {len(others)} live peer(s)")
+    if differences:
+        raise RunMismatch(f"this peer does not match run {run_id!r}: {'; '.join(differences)}; start it with the "
+                          "run's model and settings, or under another --run-id")
+
+
 class ProgressPublisher:
     """Publishes one peer's progress, at most once per ``period_s`` unless forced. Never blocks training."""
 
@@ -40,6 +65,8 @@ class ProgressPublisher:
         self._last_expiration = 0.0
         self.shard_index: Optional[int] = None
         """the data shard this peer claimed, published with every record (see swarm/shards.py)"""
+        self.settings: dict = {}
+        """SETTINGS -> this peer's value, published with every record (set by DiLoCoOptimizer)"""
 
     def due(self) -> bool:
         return time.monotonic() - self._last_published >= self.period_s
@@ -55,6 +82,7 @@ class ProgressPublisher:
             samples_since_sync=samples_since_sync,
             client_mode=self.client_mode,
             shard_index=self.shard_index,
+            **self.settings,
         )
         self._store(record.SerializeToString(), get_dht_time() + self.expiration_s)
         self._last_published = time.monotonic()
