@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -51,7 +52,8 @@ class SyncRecord:
     averaged: bool
     """False when no group formed and the peer applied its own pseudo-gradient"""
     group_size: int
-    """peers whose pseudo-gradients were averaged, this one included (1 when not averaged)"""
+    """peers in the group, this one included (1 when not averaged); a member whose parts the reducers refused (a
+    bad or hostile peer, see averaging/allreduce.py) still counts, though nothing of it was averaged"""
     seconds: float
     """wall time of the whole sync: matchmaking, all-reduce and the outer step"""
     bytes_sent: int = 0
@@ -712,11 +714,19 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 return "tensor shapes do not match this model (another model size?)"
             if not all(all_finite(t) for t in tensors):
                 return "it contains NaN or infinite values"
-            if int(metadata["outer_step"]) < 0 or int(metadata["local_step"]) < 0:
-                return "negative step counters"
+            if not all(type(metadata[name]) is int and metadata[name] >= 0 for name in ("outer_step", "local_step")):
+                return "its step counters are not non-negative integers"
+            for spec in metadata["inner"]:
+                if not (isinstance(spec["scalars"], dict)
+                        and all(isinstance(k, str) and type(v) in (int, float) and math.isfinite(v)
+                                for k, v in spec["scalars"].items())
+                        and all(isinstance(name, str) for name in spec["tensors"])):
+                    return "the inner optimizer's state is malformed"
+            if not all(type(lr) in (int, float) and math.isfinite(lr) and lr >= 0 for lr in metadata["lrs"]):
+                return "its learning rates are not finite non-negative numbers"
             if _digest_of(tensors[:n]) != metadata["digest"]:
                 return "its global parameters do not match the digest the donors announced"
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             return f"malformed metadata ({e!r})"
         return ""
 

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
@@ -247,7 +247,7 @@ class PeerSignatureValidator(RecordValidatorBase):
         public_der, rest = body[-key_len:], body[:-key_len]
         try:
             key = serialization.load_der_public_key(public_der)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, UnsupportedAlgorithm):  # bytes from another peer: anything but a key
             return None
         if not isinstance(key, rsa.RSAPublicKey) or key.key_size > 8192 or len(rest) < key.key_size // 8:
             return None
@@ -280,7 +280,7 @@ class PeerSignatureValidator(RecordValidatorBase):
         try:
             key.verify(signature, _record_bytes(dataclasses.replace(record, value=value)), _RSA_PADDING,
                        hashes.SHA256())
-        except InvalidSignature:
+        except (InvalidSignature, ValueError):
             self._warn(f"refused a DHT record about peer {PeerID(owner).to_base58()} with a bad signature")
             return False
         return True

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import math
 import multiprocessing as mp
 import random
 import time
@@ -101,8 +102,14 @@ def flatten_state(tensors: List[torch.Tensor], out: Optional[torch.Tensor] = Non
 
 
 def unflatten_state(flat: torch.Tensor, shapes: List[List[int]]) -> List[torch.Tensor]:
-    """Cut the flat vector back into tensors of the given shapes; raises ValueError if the sizes disagree."""
-    sizes = [int(np.prod(shape)) for shape in shapes]
+    """Cut the flat vector back into tensors of the given shapes (a donor's word: checked); raises ValueError if a
+    shape is not a list of non-negative integers or the sizes disagree."""
+    if not isinstance(shapes, list):
+        raise ValueError(f"shapes must be a list, got {type(shapes).__name__}")
+    for shape in shapes:
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"a shape must be a list of non-negative integers, got {shape!r}")
+    sizes = [math.prod(shape) for shape in shapes]  # Python ints: a product cannot wrap around as np.prod's does
     if sum(sizes) != flat.numel():
         raise ValueError(f"the state has {flat.numel()} values but its shapes need {sum(sizes)}")
     return [part.view(shape) for part, shape in zip(torch.split(flat, sizes), shapes)]
@@ -133,12 +140,13 @@ class StateTransferMixin:
     def _refuses_state_to(self, request, context: P2PContext) -> bool:
         """True (and logged) if the caller may not have our state: no swarm key, or excluded for misbehaving."""
         peer = context.remote_id
-        if self.auth.admits(peer, request.admission) and not self.is_banned(peer):
+        admitted = self.auth.admits(peer, request.admission)
+        if admitted and not self.is_banned(peer):
             return False
         if peer not in self._state_refused:  # once per peer: a refused peer may ask for every chunk
             self._state_refused.add(peer)
-            logger.warning(f"refused peer {peer} our state: "
-                           f"{'it is excluded' if self.is_banned(peer) else 'it does not hold the swarm key'}")
+            why = "it is excluded for misbehaving" if admitted else "it does not hold the swarm key"
+            logger.warning(f"refused peer {peer} our state: {why}")
         return True
 
     async def rpc_state_info(

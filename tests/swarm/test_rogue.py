@@ -1,0 +1,286 @@
+"""A private swarm of two honest DiLoCo peers against a rogue peer written with plain hivemind.
+
+The rogue does not go through p2ptrain's averaging code: it is a hivemind ``DHT`` and ``DecentralizedAverager``
+(hivemind's own all-reduce and codecs) plus raw calls to the honest peers' RPCs. Without the swarm key it tries to
+write records, fetch the state, join a group and send a part; with the key (it then also implements the record
+format, security.py) it averages NaN, Inf, huge or wrong-shaped tensors. The honest peers' parameters must end
+exactly where two honest peers alone end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+import threading
+import time
+from functools import partial
+
+import hivemind
+import pytest
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.compression import Float16Compression
+from hivemind.dht import DHTID
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import get_dht_time
+
+from p2ptrain import DiLoCoOptimizer
+from p2ptrain.proto import p2ptrain_pb2
+from p2ptrain.security import PeerSignatureValidator, SwarmAuth, SwarmKeyValidator, generate_swarm_key, load_identity
+from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht
+from p2ptrain.swarm.progress import fetch_progress, progress_key
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+RUN = "private"
+PREFIX = f"{RUN}_diloco"
+LOCAL_STEPS, OUTER_STEPS = 3, 3
+INNER = partial(torch.optim.AdamW, lr=1e-2)
+OUTER = partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+SERVICER = "PseudoGradientAverager"  # the class whose RPCs the honest peers serve (hivemind names handlers by it)
+
+
+class PseudoGradientAverager(DecentralizedAverager):
+    """The rogue's averager: hivemind's, under the name hivemind's RPC handles carry on the honest peers."""
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+class _Fd2Handler(logging.Handler):
+    """Writes to whatever file descriptor 2 is at the time (capfd's file, in this process and forked ones)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        os.write(2, (self.format(record) + "\n").encode())
+
+
+@pytest.fixture
+def logs_to_stderr(capfd):
+    """p2ptrain's warnings, in the averager and DHT processes too (forked after this), go to fd 2 for capfd."""
+    handler = _Fd2Handler()
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("p2ptrain").addHandler(handler)
+    yield
+    logging.getLogger("p2ptrain").removeHandler(handler)
+
+
+@pytest.fixture(scope="module")
+def swarm_key(tmp_path_factory):
+    path = tmp_path_factory.mktemp("key") / "swarm.key"
+    generate_swarm_key(path)
+    return path
+
+
+def honest_swarm(swarm_key, rogue_ready=None):
+    """Two honest peers of a private swarm; returns their DHTs (the first one is the others' initial peer)."""
+    first = start_dht(SwarmConfig(host_maddrs=[LOOPBACK], swarm_key_file=str(swarm_key)))
+    second = start_dht(SwarmConfig(host_maddrs=[LOOPBACK], swarm_key_file=str(swarm_key),
+                                   initial_peers=[str(m) for m in first.get_visible_maddrs()]))
+    return [first, second]
+
+
+def train(dhts, *, before_rounds=None, target_group_size: int = 2):
+    """Train one DiLoCoOptimizer per DHT, each in its own thread, on fixed data; returns the final parameters and
+    the optimizers' histories. ``before_rounds`` runs once the optimizers exist (the attack)."""
+    models = [make_model() for _ in dhts]
+    opts = [DiLoCoOptimizer(model.parameters(), dht=dht, run_id=RUN, local_steps=LOCAL_STEPS, inner_optimizer=INNER,
+                            outer_optimizer=OUTER, compression="fp16", matchmaking_time_s=2.0,
+                            averaging_timeout_s=6.0, batch_size=8, target_group_size=target_group_size,
+                            no_group_policy="wait")
+            for model, dht in zip(models, dhts)]
+    errors = []
+
+    def run(i):
+        try:
+            gen = torch.Generator().manual_seed(100 + i)
+            for _ in range(LOCAL_STEPS * OUTER_STEPS):
+                x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+                torch.nn.functional.mse_loss(models[i](x), y).backward()
+                opts[i].step()
+                opts[i].zero_grad()
+        except BaseException as e:
+            errors.append(e)
+
+    try:
+        if before_rounds is not None:
+            before_rounds(opts)
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(dhts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        assert not errors, errors
+        assert not any(t.is_alive() for t in threads), "an honest peer hung"
+        return [[p.detach().clone() for p in m.parameters()] for m in models], [list(o.history) for o in opts]
+    finally:
+        for opt in opts:
+            opt.close()
+
+
+@pytest.fixture(scope="module")
+def alone(swarm_key):
+    """The two honest peers without any rogue: what every attacked run must end with."""
+    dhts = honest_swarm(swarm_key)
+    try:
+        return train(dhts)
+    finally:
+        for dht in dhts:
+            stop_dht(dht)
+
+
+def schema_hash(tensors) -> bytes:
+    """The honest peers' matchmaking schema, as anyone can compute it: hivemind's hash of the tensors, the codec
+    and p2ptrain's protocol version (a rogue may also just copy it from a join request it received)."""
+    from p2ptrain.averaging.averager import PROTOCOL_VERSION
+
+    base = DecentralizedAverager(tensors, hivemind.DHT(start=False), prefix=PREFIX, start=False).schema_hash
+    return DHTID.generate(source=[base.hex(), "compression=fp16", f"protocol={PROTOCOL_VERSION}"]).to_bytes()
+
+
+def assert_same_as_alone(params, histories, alone, *, rogue_in_groups: bool):
+    """Bit-identical parameters to the run without the rogue, every round averaged. A rogue that holds the key may
+    be in a group (counted in its size) whose honest members refuse every part it sends: the round completes
+    without its contribution."""
+    want, _ = alone
+    for peer_params in params:
+        for got, expected in zip(peer_params, want[0]):
+            assert torch.equal(got, expected), "the rogue changed an honest peer's parameters"
+    for history in histories:
+        assert [r.outer_step for r in history if r.averaged] == list(range(1, OUTER_STEPS + 1)), history
+        assert all(r.group_size in ((2, 3) if rogue_in_groups else (2,)) for r in history), history
+
+
+def test_a_peer_without_the_key_is_refused_everything(swarm_key, alone, capfd, logs_to_stderr):
+    dhts = honest_swarm(swarm_key)
+    rogue = hivemind.DHT(start=True, host_maddrs=[LOOPBACK], initial_peers=dhts[0].get_visible_maddrs())
+    outcome = {}
+
+    def attack(opts):
+        honest = [dht.peer_id for dht in dhts]
+
+        async def attacks():
+            p2p: P2P = await rogue.replicate_p2p()
+            # 1. join a group: a well-formed request with the right schema, straight to an honest peer
+            request = averaging_pb2.JoinRequest(
+                schema_hash=opts[0].averager.schema_hash, expiration=get_dht_time() + 5,
+                gather=opts[0].averager.serializer.dumps([0.0, 0, opts[0].averager.serializer.dumps({})]),
+                group_key=f"{PREFIX}.0b00000000")
+            stream = await p2p.iterate_protobuf_handler(
+                honest[0], f"{PREFIX}::{SERVICER}.rpc_join_group", request, averaging_pb2.MessageFromLeader)
+            outcome["join"] = [msg.code async for msg in stream]
+            # 2. send a part of an all-reduce
+            part = averaging_pb2.AveragingData(group_id=b"x" * 20, weight=1.0, tensor_part=runtime_pb2.Tensor())
+            stream = await p2p.iterate_protobuf_handler(
+                honest[1], f"{PREFIX}::{SERVICER}.rpc_aggregate_part", part, averaging_pb2.AveragingData)
+            outcome["part"] = [msg.code async for msg in stream]
+            # 3. fetch the model: p2ptrain's chunked state transfer, and hivemind's own download
+            outcome["info"] = await p2p.call_protobuf_handler(
+                honest[0], f"{PREFIX}::{SERVICER}.rpc_state_info", p2ptrain_pb2.StateInfoRequest(),
+                p2ptrain_pb2.StateInfo)
+            outcome["chunk"] = await p2p.call_protobuf_handler(
+                honest[0], f"{PREFIX}::{SERVICER}.rpc_state_chunk", p2ptrain_pb2.StateChunkRequest(index=0),
+                p2ptrain_pb2.StateChunk)
+            stream = await p2p.iterate_protobuf_handler(
+                honest[0], f"{PREFIX}::{SERVICER}.rpc_download_state", averaging_pb2.DownloadRequest(),
+                averaging_pb2.DownloadData)
+            outcome["download"] = [msg async for msg in stream]
+
+        asyncio.run(asyncio.wait_for(attacks(), 30))
+        # 4. write records: its own progress, and one over an honest peer's
+        fake = p2ptrain_pb2.PeerProgress(run_id=RUN, peer_id=rogue.peer_id.to_base58(), outer_step=10**6)
+        for subkey in (rogue.peer_id.to_bytes(), honest[0].to_bytes()):
+            rogue.store(progress_key(RUN), fake.SerializeToString(), get_dht_time() + 60, subkey=subkey)
+        outcome["records"] = fetch_progress(dhts[1], RUN)
+
+    try:
+        params, histories = train(dhts, before_rounds=attack)
+    finally:
+        rogue.shutdown()
+        for dht in dhts:
+            stop_dht(dht)
+    assert outcome["join"] == [averaging_pb2.PROTOCOL_VIOLATION]
+    assert outcome["part"] == [averaging_pb2.BAD_GROUP_ID]
+    assert not outcome["info"].available and not outcome["chunk"].available and outcome["download"] == []
+    assert sorted(r.peer_id for r in outcome["records"]) == sorted(d.peer_id.to_base58() for d in dhts)
+    assert all(r.outer_step == 0 for r in outcome["records"])
+    assert_same_as_alone(params, histories, alone, rogue_in_groups=False)
+    logs = capfd.readouterr().err
+    rogue_id = rogue.peer_id.to_base58()
+    assert f"refused peer {rogue_id}'s request to join our group: it does not hold this swarm's key" in logs
+    assert f"refused peer {rogue_id} our state: it does not hold the swarm key" in logs
+    assert "refused a DHT record not tagged with this peer's swarm key" in logs
+
+
+POISONS = {
+    "nan": lambda t: torch.full_like(t, float("nan")),
+    "inf": lambda t: torch.full_like(t, float("inf")),
+    "huge": lambda t: torch.full_like(t, 1e30),  # fp16 on the wire: hivemind clamps it to 65504
+    "wrong_shape": lambda t: torch.zeros(t.numel() + 7),
+}
+
+
+@pytest.mark.parametrize("poison", sorted(POISONS))
+def test_a_key_holder_sending_poison_changes_nothing(swarm_key, alone, poison, tmp_path, capfd, logs_to_stderr):
+    dhts = honest_swarm(swarm_key)
+    # the rogue holds the key and speaks the record format; its averaging is hivemind's own
+    identity = str(tmp_path / "rogue.key")
+    P2P.generate_identity(identity)
+    auth = SwarmAuth.from_key(bytes.fromhex(swarm_key.read_text()))
+    rogue_dht = hivemind.DHT(
+        start=True, host_maddrs=[LOOPBACK], initial_peers=dhts[0].get_visible_maddrs(), identity_path=identity,
+        record_validators=[PeerSignatureValidator(load_identity(identity)), SwarmKeyValidator(auth)])
+    token = hmac.new(auth.secret, b"admit " + rogue_dht.peer_id.to_bytes(), hashlib.sha256).digest()[:16]
+    stop = threading.Event()
+    rogue_rounds = []
+
+    def attack(opts):
+        tensors = [POISONS[poison](p.detach()) for p in make_model().parameters()]
+        rogue = PseudoGradientAverager(tensors, rogue_dht, prefix=PREFIX, start=False, target_group_size=3,
+                                       min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=5.0,
+                                       compression=Float16Compression())
+        rogues.append(rogue)
+        rogue.schema_hash = opts[0].averager.schema_hash
+        rogue.run_in_background(await_ready=True)
+
+        def rounds():
+            outer = 0
+            while not stop.is_set():
+                rogue.set_group_bits(format(outer % 256, "08b"))
+                try:
+                    rogue.step(gather={"outer_step": outer, "samples": 8, "digest": "x", "admission": token},
+                               weight=1.0, timeout=5.0)
+                    rogue_rounds.append(outer)
+                except Exception:
+                    pass
+                progress = [r.outer_step for r in fetch_progress(rogue_dht, RUN, timeout_s=2.0)]
+                outer = max(progress, default=outer)
+
+        rogue_thread.append(threading.Thread(target=rounds, daemon=True))
+        rogue_thread[0].start()
+        time.sleep(1.0)  # the rogue is looking for a group before the honest peers' first round
+
+    rogue_thread, rogues = [], []
+    try:
+        params, histories = train(dhts, before_rounds=attack, target_group_size=3)
+    finally:
+        stop.set()
+        for thread in rogue_thread:
+            thread.join(timeout=15)
+        for rogue in rogues:
+            rogue.shutdown()
+        rogue_dht.shutdown()
+        for dht in dhts:
+            stop_dht(dht)
+    # the honest peers averaged every round with each other only, and ended exactly where they would alone
+    assert_same_as_alone(params, histories, alone, rogue_in_groups=True)
+    logs = capfd.readouterr().err
+    rogue_id = rogue_dht.peer_id.to_base58()
+    assert f"excluding peer {rogue_id} from this run" in logs, "the rogue was never caught"
+    assert PeerID.from_base58(rogue_id) not in [d.peer_id for d in dhts]
