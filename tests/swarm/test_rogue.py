@@ -32,7 +32,7 @@ from p2ptrain import DiLoCoOptimizer
 from p2ptrain.proto import p2ptrain_pb2
 from p2ptrain.security import PeerSignatureValidator, SwarmAuth, SwarmKeyValidator, generate_swarm_key, load_identity
 from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht
-from p2ptrain.swarm.progress import fetch_progress, progress_key
+from p2ptrain.swarm.progress import RunMismatch, fetch_progress, progress_key
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
@@ -191,6 +191,18 @@ def test_a_peer_without_the_key_is_refused_everything(swarm_key, alone, capfd, l
                 honest[0], f"{PREFIX}::{SERVICER}.rpc_download_state", averaging_pb2.DownloadRequest(),
                 averaging_pb2.DownloadData)
             outcome["download"] = [msg async for msg in stream]
+            # 5. announce a 1 TiB message on a stream and start sending it: the peer must hang up, not buffer it
+            _, reader, writer = await p2p._client.stream_open(honest[1], (f"{PREFIX}::{SERVICER}.rpc_aggregate_part",))
+            started = time.monotonic()
+            try:
+                writer.write(P2P.MESSAGE_MARKER + (2**40).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + bytes(2**20))
+                await writer.drain()
+                while await asyncio.wait_for(reader.read(2**16), 10):  # until the honest peer closes the stream
+                    pass
+            except (ConnectionResetError, BrokenPipeError):
+                pass  # hung up on us
+            outcome["hung_up_after_s"] = time.monotonic() - started
+            writer.close()
 
         asyncio.run(asyncio.wait_for(attacks(), 30))
         # 4. write records: its own progress, and one over an honest peer's
@@ -208,6 +220,7 @@ def test_a_peer_without_the_key_is_refused_everything(swarm_key, alone, capfd, l
     assert outcome["join"] == [averaging_pb2.PROTOCOL_VIOLATION]
     assert outcome["part"] == [averaging_pb2.BAD_GROUP_ID]
     assert not outcome["info"].available and not outcome["chunk"].available and outcome["download"] == []
+    assert outcome["hung_up_after_s"] < 10
     assert sorted(r.peer_id for r in outcome["records"]) == sorted(d.peer_id.to_base58() for d in dhts)
     assert all(r.outer_step == 0 for r in outcome["records"])
     assert_same_as_alone(params, histories, alone, rogue_in_groups=False)
@@ -284,3 +297,27 @@ def test_a_key_holder_sending_poison_changes_nothing(swarm_key, alone, poison, t
     rogue_id = rogue_dht.peer_id.to_base58()
     assert f"excluding peer {rogue_id} from this run" in logs, "the rogue was never caught"
     assert PeerID.from_base58(rogue_id) not in [d.peer_id for d in dhts]
+
+
+def test_a_peer_with_another_model_or_settings_is_refused_at_join():
+    """Peers of different schemas never group; rather than wait (or train alone) in silence, a newcomer whose
+    model, H or codec differs from the live peers' is refused at once, with each difference named."""
+    first = hivemind.DHT(start=True, host_maddrs=[LOOPBACK])
+    second = hivemind.DHT(start=True, host_maddrs=[LOOPBACK], initial_peers=first.get_visible_maddrs())
+    make = partial(DiLoCoOptimizer, run_id="settings", inner_optimizer=INNER, outer_optimizer=OUTER,
+                   matchmaking_time_s=1.0, averaging_timeout_s=5.0)
+    live = make(make_model().parameters(), dht=first, local_steps=LOCAL_STEPS, compression="fp16")
+    try:
+        other_model = torch.nn.Linear(16, 5)
+        with pytest.raises(RunMismatch) as refused:
+            make(other_model.parameters(), dht=second, local_steps=LOCAL_STEPS + 2, compression="int8")
+        message = str(refused.value)
+        assert "run 'settings'" in message and "\n" not in message
+        assert f"local_steps {LOCAL_STEPS + 2} here, {LOCAL_STEPS} on 1 of 1 live peer(s)" in message
+        assert "compression 'int8' here, 'fp16'" in message and "params_schema" in message
+        # the same model and settings are welcome
+        make(make_model().parameters(), dht=second, local_steps=LOCAL_STEPS, compression="fp16").close()
+    finally:
+        live.close()
+        second.shutdown()
+        first.shutdown()

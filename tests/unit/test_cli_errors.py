@@ -105,3 +105,31 @@ def test_silent_initial_peer_times_out_instead_of_hanging():
         for conn in accepted:
             conn.close()
         server.close()
+
+
+@pytest.mark.parametrize("command", ["join", "bootstrap", "status"])
+@pytest.mark.parametrize("content, mode, fragment", [
+    (None, 0o600, "does not exist; create one with 'p2ptrain keygen"),
+    ("ab" * 32 + "\n", 0o644, "chmod 600"),
+    ("hello\n", 0o600, "does not hold a swarm key"),
+])
+def test_bad_swarm_key_files(tmp_path, command, content, mode, fragment):
+    key = tmp_path / "swarm.key"
+    if content is not None:
+        key.write_text(content)
+        key.chmod(mode)
+    args = [command, "--swarm-key", str(key), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+    if command == "status":
+        args = [command, "--swarm-key", str(key), "--initial-peers", DEAD_PEER.format(port=free_port())]
+    assert_bad_input(p2ptrain(*args, timeout=60), f"--swarm-key {key}", fragment)
+
+
+def test_keygen_writes_a_key_and_refuses_to_overwrite_it(tmp_path):
+    key = tmp_path / "swarm.key"
+    done = p2ptrain("keygen", str(key))
+    assert done.returncode == 0, done.stderr
+    assert f"--swarm-key {key}" in done.stdout and key.stat().st_mode & 0o777 == 0o600
+    first = key.read_text()
+    assert_bad_input(p2ptrain("keygen", str(key)), "already exists", "never overwrites")
+    assert key.read_text() == first  # the run's key is not lost
+    assert_bad_input(p2ptrain("keygen", str(tmp_path / "missing" / "swarm.key")), "cannot create", "writable path")
