@@ -128,8 +128,8 @@ FUZZ = settings(database=None, deadline=None, max_examples=150,
 
 
 @FUZZ
-@given(subkey=st.one_of(st.binary(max_size=40), st.integers(-2**63, 2**63 - 1), st.none()), value=st.binary(max_size=700),
-       expiration=st.floats(allow_nan=True, allow_infinity=True))
+@given(subkey=st.one_of(st.binary(max_size=40), st.integers(-2**63, 2**63 - 1), st.none()),
+       value=st.binary(max_size=700), expiration=st.floats(allow_nan=True, allow_infinity=True))
 def test_validators_refuse_random_records_without_raising(identities, subkey, value, expiration):
     signer = PeerSignatureValidator(identities[0])
     swarm = SwarmKeyValidator(SwarmAuth.from_key(b"k" * 32))
