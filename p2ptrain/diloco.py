@@ -235,6 +235,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         """how long serving the last snapshot to newcomers held up this peer's training (the state lock)"""
         self.last_download: Optional[dict] = None
         """how the last state download went: seconds, bytes, chunks per donor, donors that failed"""
+        if not hasattr(dht, "auth"):
+            logger.warning("this DHT was not started by p2ptrain.swarm.dht.start_dht: its records are not signed, so "
+                           "peers started by p2ptrain (the CLI, start_dht) ignore them; it averages only with peers "
+                           "that also use a plain hivemind.DHT")
         # a peer with another model or settings would never group with the run's peers (the schema hash differs)
         # and would wait, or train alone, in silence: refuse it now, naming the difference
         check_run_settings(self.run_settings(), fetch_progress(dht, run_id, timeout_s=5.0), run_id)

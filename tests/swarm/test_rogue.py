@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
 import logging
 import os
 import threading
@@ -23,7 +24,6 @@ import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import Float16Compression
-from hivemind.dht import DHTID
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
@@ -124,24 +124,45 @@ def train(dhts, *, before_rounds=None, target_group_size: int = 2):
             opt.close()
 
 
-@pytest.fixture(scope="module")
-def alone(swarm_key):
-    """The two honest peers without any rogue: what every attacked run must end with."""
+def run_alone(swarm_key, target_group_size: int):
     dhts = honest_swarm(swarm_key)
     try:
-        return train(dhts)
+        return train(dhts, target_group_size=target_group_size)
     finally:
         for dht in dhts:
             stop_dht(dht)
 
 
-def schema_hash(tensors) -> bytes:
-    """The honest peers' matchmaking schema, as anyone can compute it: hivemind's hash of the tensors, the codec
-    and p2ptrain's protocol version (a rogue may also just copy it from a join request it received)."""
-    from p2ptrain.averaging.averager import PROTOCOL_VERSION
+@pytest.fixture(scope="module")
+def alone(swarm_key):
+    """The two honest peers without any rogue: what every attacked run must end with."""
+    return run_alone(swarm_key, 2)
 
-    base = DecentralizedAverager(tensors, hivemind.DHT(start=False), prefix=PREFIX, start=False).schema_hash
-    return DHTID.generate(source=[base.hex(), "compression=fp16", f"protocol={PROTOCOL_VERSION}"]).to_bytes()
+
+COSTS = {}
+"""attack -> what it cost the honest peers against the same run without it (benchmarks/bench_attacks.py)"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cost_report():
+    yield
+    path = os.environ.get("P2PTRAIN_ATTACK_REPORT")
+    if path and COSTS:
+        with open(path, "w") as f:
+            json.dump(COSTS, f, indent=1)
+
+
+def record_cost(attack: str, histories, reference, outcome: str) -> None:
+    """Mean over the honest peers of their syncs' seconds and payload bytes (sent + received), against the run
+    without the rogue (with the same target group size, so the same matchmaking waits)."""
+    def per_peer(hists):
+        seconds = sum(sum(r.seconds for r in h) for h in hists) / len(hists)
+        payload = sum(sum(r.bytes_sent + r.bytes_received for r in h) for h in hists) / len(hists)
+        return seconds, payload
+
+    (seconds, payload), (ref_seconds, ref_payload) = per_peer(histories), per_peer(reference[1])
+    COSTS[attack] = dict(outcome=outcome, sync_s=seconds, sync_s_alone=ref_seconds, extra_s=seconds - ref_seconds,
+                         payload_bytes=payload, payload_bytes_alone=ref_payload, extra_bytes=payload - ref_payload)
 
 
 def assert_same_as_alone(params, histories, alone, *, rogue_in_groups: bool):
@@ -224,6 +245,7 @@ def test_a_peer_without_the_key_is_refused_everything(swarm_key, alone, capfd, l
     assert sorted(r.peer_id for r in outcome["records"]) == sorted(d.peer_id.to_base58() for d in dhts)
     assert all(r.outer_step == 0 for r in outcome["records"])
     assert_same_as_alone(params, histories, alone, rogue_in_groups=False)
+    record_cost("no key: join, part, state, records, 1 TiB message", histories, alone, "all refused")
     logs = capfd.readouterr().err
     rogue_id = rogue.peer_id.to_base58()
     assert f"refused peer {rogue_id}'s request to join our group: it does not hold this swarm's key" in logs
@@ -293,6 +315,9 @@ def test_a_key_holder_sending_poison_changes_nothing(swarm_key, alone, poison, t
             stop_dht(dht)
     # the honest peers averaged every round with each other only, and ended exactly where they would alone
     assert_same_as_alone(params, histories, alone, rogue_in_groups=True)
+    if os.environ.get("P2PTRAIN_ATTACK_REPORT"):  # the benchmark: compare with the same matchmaking waits
+        record_cost(f"with key: {poison} tensors", histories, run_alone(swarm_key, 3),
+                    "parts refused, peer excluded")
     logs = capfd.readouterr().err
     rogue_id = rogue_dht.peer_id.to_base58()
     assert f"excluding peer {rogue_id} from this run" in logs, "the rogue was never caught"

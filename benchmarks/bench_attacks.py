@@ -1,0 +1,46 @@
+"""What each attack of a rogue peer costs the honest peers of a private swarm: runs tests/swarm/test_rogue.py (two
+honest DiLoCo peers, a plain-hivemind rogue; every test also asserts the honest parameters end bit-identical to a
+run without the rogue) and prints, per attack, the honest peers' sync seconds and payload bytes against the same
+run without it.
+
+    python benchmarks/bench_attacks.py [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "attacks.json"
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               str(ROOT / "tests/swarm/test_rogue.py")], cwd=ROOT,
+                              env=dict(os.environ, P2PTRAIN_ATTACK_REPORT=str(report)))
+        if done.returncode != 0:
+            sys.exit(f"the rogue-peer tests failed (exit {done.returncode}); no figures")
+        costs = json.loads(report.read_text())
+    print(f"\n{'attack':<52} {'outcome':<30} {'sync s (alone)':>16} {'extra s':>8} {'payload kB (alone)':>19} "
+          f"{'extra kB':>9}")
+    for attack, c in costs.items():
+        print(f"{attack:<52} {c['outcome']:<30} {c['sync_s']:>7.2f} ({c['sync_s_alone']:>5.2f}) {c['extra_s']:>8.2f} "
+              f"{c['payload_bytes'] / 1e3:>9.1f} ({c['payload_bytes_alone'] / 1e3:>6.1f}) "
+              f"{c['extra_bytes'] / 1e3:>9.1f}")
+    print("per honest peer, summed over its 3 syncs; payload = all-reduce bytes sent + received")
+    if args.json:
+        Path(args.json).write_text(json.dumps(costs, indent=1))
+
+
+if __name__ == "__main__":
+    main()
