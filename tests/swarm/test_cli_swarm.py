@@ -28,15 +28,18 @@ from tests.helpers import (
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
 
-def status(maddr: str, run_id: str) -> dict:
-    result = p2ptrain("status", "--initial-peers", maddr, "--run-id", run_id, "--json")
+def status(maddr: str, run_id: str, *extra: str) -> dict:
+    result = p2ptrain("status", "--initial-peers", maddr, "--run-id", run_id, "--json", *extra)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
 
 def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
+    """A private swarm (every daemon holds the swarm key) from the CLI; a worker without the key trains alone."""
+    key = tmp_path / "swarm.key"
+    assert p2ptrain("keygen", str(key)).returncode == 0
     boot = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(tmp_path / "maddrs"),
-                 "--identity", str(tmp_path / "boot.key"), log=tmp_path / "boot.log")
+                 "--identity", str(tmp_path / "boot.key"), "--swarm-key", str(key), log=tmp_path / "boot.log")
     workers = []
     try:
         maddr = wait_for_file(tmp_path / "maddrs", boot)
@@ -52,17 +55,22 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
                 "join", "--initial-peers", entry, "--host-maddrs", LOOPBACK, "--run-id", "clitest",
                 "--local-steps", "10", "--num-shards", "2", "--target-group-size", "2",
                 "--no-group-policy", "wait", "--threads", "1", "--log-interval", "2", "--no-progress",
-                "--report", str(tmp_path / f"w{i}.json"), log=tmp_path / f"w{i}.log",
+                "--report", str(tmp_path / f"w{i}.json"), "--swarm-key", str(key), log=tmp_path / f"w{i}.log",
             ))
+        # an outsider: same run and settings, no key
+        outsider = spawn("join", "--initial-peers", maddr, "--host-maddrs", LOOPBACK, "--run-id", "clitest",
+                         "--local-steps", "10", "--num-shards", "2", "--max-outer-steps", "2", "--threads", "1",
+                         "--no-progress", "--report", str(tmp_path / "outsider.json"), log=tmp_path / "outsider.log")
+        workers.append(outsider)
 
         # status lists both peers once each has synced at least twice (so a group of 2 really formed)
         deadline = time.monotonic() + 180
         listing = {}
         while time.monotonic() < deadline:
-            listing = status(maddr, "clitest")
+            listing = status(maddr, "clitest", "--swarm-key", str(key))
             if len(listing["peers"]) == 2 and all(p["outer_step"] >= 2 for p in listing["peers"]):
                 break
-            assert all(w.poll() is None for w in workers), "a worker died; see its log"
+            assert all(w.poll() is None for w in workers[:2]), "a worker died; see its log"
             time.sleep(2)
         assert listing["run_id"] == "clitest"
         assert len(listing["peers"]) == 2, listing
@@ -71,6 +79,15 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
             assert peer["local_step"] >= 20 and peer["samples_per_s"] > 0
 
         synced_before_signal = min(p["outer_step"] for p in listing["peers"])
+        # the outsider trained alone: no group, its records ignored, and it was told why
+        assert outsider.wait(timeout=120) == 0
+        alone = json.loads((tmp_path / "outsider.json").read_text())
+        assert alone["rounds"] and not any(r["averaged"] for r in alone["rounds"]), alone["rounds"]
+        assert "this swarm is private; start this peer with the swarm's --swarm-key FILE" in \
+            (tmp_path / "outsider.log").read_text()
+        assert "refused a DHT record not tagged with this peer's swarm key" in (tmp_path / "boot.log").read_text()
+        assert listing["peers"] and outsider_id(tmp_path) not in [p["peer_id"] for p in listing["peers"]]
+        workers.remove(outsider)
         children = [c for w in workers for c in descendants(w)]
         assert any(c.name() == "p2pd" for c in children)
         for w in workers:
@@ -79,7 +96,8 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
             assert w.wait(timeout=90) == 0
         assert_all_gone(children)
 
-        assert status(maddr, "clitest")["peers"] == [], "peers that left cleanly must leave the listing at once"
+        assert status(maddr, "clitest", "--swarm-key", str(key))["peers"] == [], \
+            "peers that left cleanly must leave the listing at once"
 
         reports = [report(tmp_path, i) for i in range(2)]
         assert {r["shard_index"] for r in reports} == {0, 1}, "peers must claim different data shards"
@@ -97,6 +115,10 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
         boot.send_signal(signal.SIGTERM)
         assert boot.wait(timeout=30) == 0
         assert_all_gone(boot_children)
+
+
+def outsider_id(tmp_path) -> str:
+    return json.loads((tmp_path / "outsider.json").read_text())["peer_id"]
 
 
 def first_logged_maddr(log) -> str:

@@ -452,8 +452,10 @@ def test_undecodable_parts_get_the_sender_banned_not_the_reducer_killed(two_dhts
         own_only = (average + 0.01).abs() < 1e-6
         both = (average + 0.015).abs() < 1e-6
         assert (own_only | both).all() and own_only.any() and both.any(), (own_only.sum(), both.sum())
-        # the hostile peer could not complete that round (its reducer turned it away): it took the honest state
-        assert not hostile.history[-1].averaged and hostile._digest == honest._digest
+        # the hostile peer could not complete that round (its reducer turned it away), and the honest peer, which
+        # now excludes it from the run for a while (issue 7), does not give it the state either: it stays apart
+        assert not hostile.history[-1].averaged and hostile.last_download is None
+        assert hostile._digest != honest._digest
     finally:
         for opt in opts:
             opt.close()

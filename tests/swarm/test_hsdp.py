@@ -182,8 +182,9 @@ def test_state_transfer_carries_inner_moments_between_sharded_and_one_rank_peers
                 time.sleep(0.2)
             served = torch.load(tmp_path / "served.pt")
             newcomer_model = build_model("tiny", seed=1)  # another init: everything must come from the donor
+            # the run's settings (the donor's): a peer of another codec is refused at start (RunMismatch)
             newcomer = DiLoCoOptimizer(newcomer_model.parameters(), dht=dht, run_id="hsdp", local_steps=LOCAL_STEPS,
-                                       inner_optimizer=partial(torch.optim.AdamW, lr=1e-3),
+                                       inner_optimizer=partial(torch.optim.AdamW, lr=1e-3), compression="none",
                                        outer_optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True))
             try:
                 assert newcomer.catch_up()

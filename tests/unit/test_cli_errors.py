@@ -107,11 +107,12 @@ def test_silent_initial_peer_times_out_instead_of_hanging():
         server.close()
 
 
-@pytest.mark.parametrize("command", ["join", "bootstrap", "status"])
-@pytest.mark.parametrize("content, mode, fragment", [
-    (None, 0o600, "does not exist; create one with 'p2ptrain keygen"),
-    ("ab" * 32 + "\n", 0o644, "chmod 600"),
-    ("hello\n", 0o600, "does not hold a swarm key"),
+@pytest.mark.parametrize("command, content, mode, fragment", [
+    ("join", None, 0o600, "does not exist; create one with 'p2ptrain keygen"),
+    ("join", "ab" * 32 + "\n", 0o644, "chmod 600"),
+    ("join", "hello\n", 0o600, "does not hold a swarm key"),
+    ("bootstrap", "ab" * 32 + "\n", 0o640, "chmod 600"),
+    ("status", "ab" * 31 + "\n", 0o600, "does not hold a swarm key"),
 ])
 def test_bad_swarm_key_files(tmp_path, command, content, mode, fragment):
     key = tmp_path / "swarm.key"
