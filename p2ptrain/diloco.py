@@ -193,6 +193,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._committed_local_step = 0  # local step at which the last outer step was taken
         self._donor_in_round = False  # the last downloaded state came from peers in the middle of a round
         self.samples_since_sync = 0
+        self._steps_since_sync = 0  # inner steps in this peer's pseudo-gradient (the norm check's scale)
         self.history: List[SyncRecord] = []
         self._closed = threading.Event()
         self._interrupted = threading.Event()  # set: stop looking for peers (the peer is leaving)
@@ -269,6 +270,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._serve_snapshot_request()  # a donor snapshot asked for since the last step: copy it now, on this core
         samples = batch_size if batch_size is not None else (self.batch_size or 1)
         self.samples_since_sync += samples
+        self._steps_since_sync += 1
         self._throughput_samples += samples
         if self.local_step % self.local_steps == 0:
             self.sync()
@@ -304,6 +306,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._committed_local_step = self.local_step
         self.averager.set_host_outer_step(self.outer_step)
         self.samples_since_sync = state_dict["samples_since_sync"]
+        self._steps_since_sync = self.local_step % self.local_steps
         self._reset_residuals()
 
     # ------------------------------------------------------------------------------------------------- the sync
@@ -453,6 +456,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.history.append(record)
         if not abandoned:  # an abandoned round's samples are still in the model, to be synced later
             self.samples_since_sync = 0
+            self._steps_since_sync = 0
         if result and result.failed_fraction > 0:
             logger.warning(f"{self._tag()} {result.failed_fraction:.1%} of the vector was not averaged (peer failure)")
         if result and len(set(record.group_outer_steps)) > 1:
@@ -483,7 +487,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                     weight=weight,
                     # the digest of the global parameters this round starts from: every member must have the same
                     gather={"outer_step": self.outer_step, "samples": self.samples_since_sync,
-                            "digest": self._digest},
+                            "digest": self._digest,
+                            # a pseudo-gradient of fewer inner steps than H (a newcomer's first, after it took
+                            # the state mid-phase) is smaller than the others': widen its norm check in proportion
+                            "norm_scale": self.local_steps / max(1, min(self._steps_since_sync, self.local_steps))},
                     timeout=matchmaking_timeout_s,
                     allow_retries=True,
                     wait=False,
@@ -686,6 +693,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self._donor_in_round = bool(metadata.get("in_round", False))
             self._committed_local_step = -1 if self._donor_in_round else self.local_step
             self.samples_since_sync = 0
+            self._steps_since_sync = 0
             self._digest = self._global_digest()
             self._reset_residuals()  # our rounding residual belongs to a trajectory this peer just left
         self.averager.set_host_outer_step(self.outer_step)

@@ -141,14 +141,15 @@ class ExactAllReduceRunner(AllReduceRunner):
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 if part_index >= len(expected_shapes) or average.shape != expected_shapes[part_index]:
-                    problem = f"answered part #{part_index} with shape {tuple(average.shape)}"
+                    problem = f"an average of shape {tuple(average.shape)} for part #{part_index}"
                 else:
                     own = self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0]
-                    problem = self._check_values(("sent", peer_index, part_index), average, own, "an average")
+                    problem = self._check_values(("sent", peer_index, part_index), average, own,
+                                                 f"an average for part #{part_index}")
                 if problem:
-                    logger.warning(f"Reducer {peer_id} {problem}; not applying its range")
-                    self._on_bad_peer(peer_id, f"as a reducer it {problem}")
-                    raise AllreduceException(f"{peer_id} {problem}")
+                    logger.warning(f"Reducer {peer_id} returned {problem}; not applying its range")
+                    self._on_bad_peer(peer_id, f"as a reducer it returned {problem}")
+                    raise AllreduceException(f"{peer_id} returned {problem}")
                 self.tensor_part_container.register_processed_part(peer_index, part_index, average)
                 part_index += 1
 
@@ -182,7 +183,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             ):
                 self.bytes_received += num_bytes  # counted here, in the event loop, not in the executor thread
                 if undecodable:
-                    problem = f"part #{part_index} does not decode: {undecodable}"
+                    problem = f"part #{part_index}, which does not decode: {undecodable}"
                 else:
                     problem = self._check_part(part_index, tensor_part, weight)
                 if problem:
@@ -212,12 +213,12 @@ class ExactAllReduceRunner(AllReduceRunner):
     def _check_part(self, part_index: int, tensor_part: torch.Tensor, weight: float) -> str:
         """Why a sender's part must not enter the average, or an empty string if it may."""
         if part_index >= self.tensor_part_reducer.num_parts:
-            return f"part #{part_index} is beyond the {self.tensor_part_reducer.num_parts} parts of this reducer"
+            return f"part #{part_index}, beyond the {self.tensor_part_reducer.num_parts} parts of this reducer"
         expected_shape = self.tensor_part_reducer.part_shapes[part_index]
         if tensor_part.shape != expected_shape:
-            return f"part #{part_index} has shape {tuple(tensor_part.shape)}, expected {tuple(expected_shape)}"
+            return f"part #{part_index} of shape {tuple(tensor_part.shape)}, expected {tuple(expected_shape)}"
         if not (math.isfinite(weight) and weight >= 0):
-            return f"weight {weight} is not a finite non-negative number"
+            return f"a weight of {weight}, not a finite non-negative number"
         own = self.parts_for_local_averaging[part_index]
         return self._check_values(("received", part_index), tensor_part, own, f"part #{part_index}")
 
@@ -225,7 +226,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         """Why ``values`` (a peer's part, or an average a reducer sent) must not be used: non-finite, or larger
         than ``max_norm_ratio`` times our own values over the same range. Empty if they may."""
         if not all_finite(values):
-            return f"{what} contains NaN or infinite values"
+            return f"{what} with NaN or infinite values"
         if self._max_norm_ratio is None:
             return ""
         if key not in self._own_norms:
@@ -233,7 +234,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         own_norm = self._own_norms[key]
         norm = float(torch.linalg.vector_norm(values.float()))
         if own_norm > 0 and norm > self._max_norm_ratio * own_norm:
-            return (f"{what} has norm {norm:.4g}, more than {self._max_norm_ratio:g}x our own {own_norm:.4g} over "
+            return (f"{what} with norm {norm:.4g}, more than {self._max_norm_ratio:g}x our own {own_norm:.4g} over "
                     "the same range")
         return ""
 

@@ -134,7 +134,9 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
     def ban(self, peer: PeerID, reason: str) -> None:
         """Keep ``peer`` out of our groups for ``BAN_S`` (averager process): we neither accept its join request,
         nor ask it to lead us, nor stay in a group that holds it."""
-        if not self.is_banned(peer):
+        if self.is_banned(peer):
+            reason = self._banned[peer][1]  # already excluded: extend, keep the first reason
+        else:
             logger.warning(f"excluding peer {peer} from this run for {BAN_S:.0f}s: {reason}")
         self._banned[peer] = (time.monotonic() + BAN_S, reason)
 
@@ -219,9 +221,11 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
             peer_fractions = await asyncio.get_event_loop().run_in_executor(
                 None, load_balance_peers, self.total_size, download_bandwidths, min_vector_size
             )
+            scale = mine.get("norm_scale", 1.0) if isinstance(mine, dict) else 1.0
+            scale = float(scale) if isinstance(scale, (int, float)) and 1.0 <= scale < float("inf") else 1.0
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
                 result = await self._run_allreduce_inplace_(
-                    local_tensors, group_info, peer_fractions=peer_fractions, **kwargs
+                    local_tensors, group_info, peer_fractions=peer_fractions, norm_scale=scale, **kwargs
                 )
             result.gathered = gathered
             result.allreduce_s = time.perf_counter() - started
@@ -236,7 +240,8 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
             raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
 
     async def _run_allreduce_inplace_(
-        self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: Optional[bytes] = None, **kwargs
+        self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: Optional[bytes] = None,
+        norm_scale: float = 1.0, **kwargs
     ) -> RoundResult:
         group_id = group_info.group_id if group_id is None else group_id
         runner = ExactAllReduceRunner(
@@ -246,7 +251,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
             tensors=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
-            max_norm_ratio=self.max_norm_ratio,
+            max_norm_ratio=None if self.max_norm_ratio is None else self.max_norm_ratio * norm_scale,
             on_bad_peer=self.ban,
             **kwargs,
         )
