@@ -341,6 +341,10 @@ def test_a_peer_with_another_model_or_settings_is_refused_at_join():
                    matchmaking_time_s=1.0, averaging_timeout_s=5.0)
     live = make(make_model().parameters(), dht=first, local_steps=LOCAL_STEPS, compression="fp16")
     try:
+        # a live peer is one whose record the newcomer can read (it is stored in the background at start)
+        deadline = time.monotonic() + 30
+        while not fetch_progress(second, "settings") and time.monotonic() < deadline:
+            time.sleep(0.2)
         other_model = torch.nn.Linear(16, 5)
         with pytest.raises(RunMismatch) as refused:
             make(other_model.parameters(), dht=second, local_steps=LOCAL_STEPS + 2, compression="int8")
