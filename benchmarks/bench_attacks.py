@@ -38,6 +38,9 @@ def main() -> None:
               f"{c['payload_bytes'] / 1e3:>9.1f} ({c['payload_bytes_alone'] / 1e3:>6.1f}) "
               f"{c['extra_bytes'] / 1e3:>9.1f}")
     print("per honest peer, summed over its 3 syncs; payload = all-reduce bytes sent + received")
+    for attack, c in costs.items():
+        print(f"{attack}: each sync's seconds per honest peer {c['rounds_s']}, without the rogue "
+              f"{c['rounds_s_alone']}")
     if args.json:
         Path(args.json).write_text(json.dumps(costs, indent=1))
 

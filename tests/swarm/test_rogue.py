@@ -162,7 +162,9 @@ def record_cost(attack: str, histories, reference, outcome: str) -> None:
 
     (seconds, payload), (ref_seconds, ref_payload) = per_peer(histories), per_peer(reference[1])
     COSTS[attack] = dict(outcome=outcome, sync_s=seconds, sync_s_alone=ref_seconds, extra_s=seconds - ref_seconds,
-                         payload_bytes=payload, payload_bytes_alone=ref_payload, extra_bytes=payload - ref_payload)
+                         payload_bytes=payload, payload_bytes_alone=ref_payload, extra_bytes=payload - ref_payload,
+                         rounds_s=[[round(r.seconds, 2) for r in h] for h in histories],
+                         rounds_s_alone=[[round(r.seconds, 2) for r in h] for h in reference[1]])
 
 
 def assert_same_as_alone(params, histories, alone, *, rogue_group_sizes=(2,)):
