@@ -242,7 +242,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                            "that also use a plain hivemind.DHT")
         # a peer with another model or settings would never group with the run's peers (the schema hash differs)
         # and would wait, or train alone, in silence: refuse it now, naming the difference
-        check_run_settings(self.run_settings(), fetch_progress(dht, run_id, timeout_s=5.0), run_id)
+        settings = self.run_settings()
+        check_run_settings(settings, fetch_progress(dht, run_id, timeout_s=5.0), run_id)
         try:
             self.averager.start_in_background(timeout_s=averager_start_timeout_s)
         except Exception as e:
@@ -254,7 +255,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             raise
         self.progress = progress or ProgressPublisher(dht, run_id, period_s=progress_period_s)
         self.progress.client_mode = self.averager.client_mode
-        self.progress.settings = self.run_settings()
+        self.progress.settings = settings
         self._throughput_since = time.monotonic()
         self._throughput_samples = 0
         self.samples_per_s = 0.0

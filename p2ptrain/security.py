@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 class KeyFileError(ValueError):
     """A swarm key or identity file that cannot be used; the message names the file and the fix."""
 
+
 SWARM_KEY_BYTES = 32
 TOKEN_BYTES = 16
 MAX_STREAM_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -157,19 +158,22 @@ class SwarmKeyValidator(RecordValidatorBase):
     def sign_value(self, record: DHTRecord) -> bytes:
         return record.value + self.MAGIC + self._tag(record)
 
+    @classmethod
+    def split(cls, value: bytes) -> Optional[tuple]:
+        """(value without the tag, tag) if ``value`` ends with a tag, else None."""
+        suffix = len(cls.MAGIC) + TOKEN_BYTES
+        if len(value) >= suffix and value[-suffix:-TOKEN_BYTES] == cls.MAGIC:
+            return value[:-suffix], value[-TOKEN_BYTES:]
+        return None
+
     def strip_value(self, record: DHTRecord) -> bytes:
-        suffix = len(self.MAGIC) + TOKEN_BYTES
-        if len(record.value) >= suffix and record.value[-suffix:-TOKEN_BYTES] == self.MAGIC:
-            return record.value[:-suffix]
-        return record.value
+        parts = self.split(record.value)
+        return parts[0] if parts else record.value
 
     def validate(self, record: DHTRecord) -> bool:
-        suffix = len(self.MAGIC) + TOKEN_BYTES
-        value = record.value
-        if len(value) >= suffix and value[-suffix:-TOKEN_BYTES] == self.MAGIC:
-            stripped = dataclasses.replace(record, value=value[:-suffix])
-            if hmac.compare_digest(value[-TOKEN_BYTES:], self._tag(stripped)):
-                return True
+        parts = self.split(record.value)
+        if parts and hmac.compare_digest(parts[1], self._tag(dataclasses.replace(record, value=parts[0]))):
+            return True
         self._warn("refused a DHT record not tagged with this peer's swarm key: its writer holds no key or another "
                    "one (every peer of the swarm needs the same --swarm-key file)")
         return False
@@ -188,9 +192,7 @@ _RSA_PADDING = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=32)
 def load_identity(path: str | Path) -> rsa.RSAPrivateKey:
     """The RSA private key of a libp2p identity file (hivemind's format: a protobuf ``PrivateKey``)."""
     proto = crypto_pb2.PrivateKey.FromString(Path(path).read_bytes())
-    if proto.key_type != crypto_pb2.KeyType.RSA:
-        raise KeyFileError(f"--identity {path} is not an RSA key; let p2ptrain create the file (remove it)")
-    key = serialization.load_der_private_key(proto.data, password=None)
+    key = serialization.load_der_private_key(proto.data, password=None) if proto.key_type == crypto_pb2.RSA else None
     if not isinstance(key, rsa.RSAPrivateKey):
         raise KeyFileError(f"--identity {path} is not an RSA key; let p2ptrain create the file (remove it)")
     return key
@@ -266,8 +268,7 @@ class PeerSignatureValidator(RecordValidatorBase):
             return True  # not a record about a peer
         parts = self._split(record.value)
         if parts is None:
-            tag_at = -(len(SwarmKeyValidator.MAGIC) + TOKEN_BYTES)
-            if record.value[tag_at:-TOKEN_BYTES] == SwarmKeyValidator.MAGIC:
+            if SwarmKeyValidator.split(record.value):
                 self._warn("refused a DHT record tagged with a swarm key: this swarm is private; start this peer "
                            "with the swarm's --swarm-key FILE")
             else:

@@ -131,8 +131,8 @@ def start_dht(config: SwarmConfig) -> hivemind.DHT:
     if identity_path is None:
         identity_dir = tempfile.mkdtemp(prefix="p2ptrain-identity-")
         identity_path = str(Path(identity_dir) / "identity.key")
-        P2P.generate_identity(identity_path)
-    elif not Path(identity_path).exists():
+    existing_identity = Path(identity_path).exists()
+    if not existing_identity:
         P2P.generate_identity(identity_path)
     try:
         validators = [PeerSignatureValidator(load_identity(identity_path))]
@@ -149,7 +149,7 @@ def start_dht(config: SwarmConfig) -> hivemind.DHT:
         announce_maddrs=config.announce_maddrs or None,
         identity_path=identity_path,
         # a key made just now is nobody else's: skip hivemind's check, which starts a second p2pd to dial it
-        check_if_identity_free=identity_dir is None,
+        check_if_identity_free=existing_identity,
         record_validators=validators,
         client_mode=config.client_mode,
         use_relay=config.use_relay,
