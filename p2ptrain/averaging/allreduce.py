@@ -34,7 +34,7 @@ from typing import AsyncIterator, Callable, Dict, Optional
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import AllreduceException, BannedException
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.compression import CompressionInfo
 from hivemind.p2p import PeerID, StubBase
 from hivemind.proto import averaging_pb2, runtime_pb2
@@ -58,6 +58,7 @@ class ExactAllReduceRunner(AllReduceRunner):
     def __init__(self, *, die_after_parts: Optional[int] = None, max_norm_ratio: Optional[float] = None,
                  on_bad_peer: Optional[Callable[[PeerID, str], None]] = None, **kwargs):
         super().__init__(**kwargs)
+        self.tensor_part_reducer = _Reducer(self.tensor_part_reducer.part_shapes, self.tensor_part_reducer.num_senders)
         # a part (or an average) whose L2 norm exceeds max_norm_ratio x our own values' norm over the same range is
         # refused: we are honest, and honest peers' pseudo-gradients over one range are alike in size
         self._max_norm_ratio = max_norm_ratio
@@ -241,6 +242,19 @@ class ExactAllReduceRunner(AllReduceRunner):
     def finalize(self, **kwargs):
         super().finalize(**kwargs)
         self._serialized_averages.clear()
+
+
+class _Reducer(TensorPartReducer):
+    """hivemind's reducer, except that a part whose senders all weigh 0 averages to zeros, not to 0/0 = NaN.
+
+    Peers send weight 0 with zeros when they have nothing to add (a newcomer joining a round in progress, a peer
+    whose local training diverged). Once the only contributor to a range has failed, the rest of that range is
+    theirs alone; every member then gets the same zeros, and no honest reducer looks like a poisoner."""
+
+    def check_current_part_finished(self):
+        if self.current_part_accumulated_from == self.num_current_senders and self.denominator == 0:
+            self.denominator = 1.0  # the accumulator holds zeros: 0 x each part
+        super().check_current_part_finished()
 
 
 class _CountingStub:

@@ -125,9 +125,13 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         follow_parent()  # a SIGKILLed host must not leave this process behind
         super().run()
 
-    def step(self, gather: Optional[Dict[str, Any]] = None, **kwargs):
+    def step(self, gather: Optional[Dict[str, Any]] = None, weight: Optional[float] = None, **kwargs):
+        if weight is None:
+            weight = float(self.mode != AveragingMode.AUX)  # hivemind's default
         # every join request and every group's gathered data carry our admission token (empty in an open swarm)
-        return super().step(gather=dict(gather or {}, admission=self.auth.token(self.peer_id)), **kwargs)
+        # and our weight (a group whose members all weigh 0 has nothing to average: see _check_contributors)
+        gather = dict(gather or {}, admission=self.auth.token(self.peer_id), weight=weight)
+        return super().step(gather=gather, weight=weight, **kwargs)
 
     # ------------------------------------------------------------------------------------- admission and bans
 
@@ -182,6 +186,20 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
                 self.ban(peer_id, refusal)
                 raise MatchmakingException(f"the group holds peer {peer_id}, which we refuse: {refusal}")
 
+    def _check_contributors(self, group_info: GroupInfo) -> None:
+        """A group whose members all weigh 0 (newcomers joining a round in progress, peers whose training diverged)
+        has no pseudo-gradient to average: running it would commit an outer step the swarm never took. Every member
+        sees the same gathered weights, so all of them leave it alike. A member that sent no weight counts."""
+        weights = []
+        for gathered in group_info.gathered:
+            try:
+                weights.append(self.serializer.loads(self.serializer.loads(gathered)[2]).get("weight", 1.0))
+            except Exception:
+                weights.append(1.0)
+        if all(isinstance(w, (int, float)) and w == 0 for w in weights):
+            logger.info(f"left a group of {len(weights)} in which nobody has a pseudo-gradient to add (all weigh 0)")
+            raise MatchmakingException("every member of the group has weight 0: nothing to average")
+
     async def _step(self, **kwargs):
         matchmaking = self._matchmaking
         if not getattr(matchmaking, "p2ptrain_guarded", False):
@@ -204,6 +222,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs) -> RoundResult:
         self._check_members(group_info)  # before the round counts as started: a refused group is no round
+        self._check_contributors(group_info)
         started = time.perf_counter()
         try:
             bandwidths, mode_ids, user_gathered_bytes = zip(*map(self.serializer.loads, group_info.gathered))

@@ -301,6 +301,41 @@ def test_diverged_peer_contributes_nothing_and_is_rescued(two_dhts):
             opt.close()
 
 
+def test_group_in_which_every_peer_weighs_zero_averages_nothing_and_bans_nobody(two_dhts):
+    """Two peers with nothing to add (here both diverged; newcomers joining a round in progress also weigh 0) must
+    not average 0/0 = NaN, take each other for poisoners and split the swarm for the length of a ban."""
+    def prepare(i, model, opt):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float("nan"))
+        opt.samples_since_sync = 8
+
+    models, opts, start, before = sync_once(two_dhts, "all-zero", prepare)
+    try:
+        for opt in opts:
+            assert not opt.history[-1].averaged, "a group with no contributor committed an average"
+            for got, expected in zip(opt.global_params, start):
+                torch.testing.assert_close(got.detach(), expected, rtol=0, atol=0)  # zeros moved nothing
+        # neither peer excluded the other: the next round, with something to add, averages in one group
+        for i, model in enumerate(models):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01 * (i + 1))
+            opts[i].samples_since_sync = 8
+        threads = [threading.Thread(target=opt.sync) for opt in opts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        for opt in opts:
+            assert opt.history[-1].averaged and opt.history[-1].group_size == 2, opt.history
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.isfinite(a).all() and torch.equal(a, b)
+    finally:
+        for opt in opts:
+            opt.close()
+
+
 def test_client_mode_peer_averages_bit_identically():
     """A peer behind NAT (client mode: it only dials out, reduces nothing) still gets the same bits."""
     server = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
