@@ -107,8 +107,10 @@ RUN_OPTIONS: List[Tuple[str, str, Dict[str, Any]]] = [
     ("--swarm-key", "swarm.swarm_key_file",
      dict(type=click.Path(dir_okay=False),
           help="The swarm's shared key file (p2ptrain keygen); only peers holding it take part. Default: open.")),
-    ("--client-mode/--no-client-mode", "swarm.client_mode",
-     dict(help="Accept no incoming connections: for hosts behind NAT without port forwarding.")),
+    ("--reachability", "swarm.reachability",
+     dict(type=click.Choice(["auto", "public", "client"]),
+          help="public: a full member others dial; client: dial out only (behind NAT); auto: ask an initial peer "
+               "to dial this host back, then pick.")),
     ("--use-relay/--no-use-relay", "swarm.use_relay",
      dict(help="Allow libp2p circuit relays to carry traffic of peers that cannot be dialled.")),
     ("--use-auto-relay/--no-use-auto-relay", "swarm.use_auto_relay",
@@ -356,7 +358,7 @@ def status(ctx: click.Context, as_json: bool, **params) -> None:
         raise BadInput("status needs --initial-peers (or --initial-peers-file): the multiaddr of any live peer of "
                        "the run")
     swarm = config.swarm
-    swarm.client_mode, swarm.host_maddrs = True, ["/ip4/0.0.0.0/tcp/0"]
+    swarm.reachability, swarm.host_maddrs = "client", ["/ip4/0.0.0.0/tcp/0"]
     try:
         dht = start_dht(swarm)
     except SwarmError as e:
@@ -368,19 +370,28 @@ def status(ctx: click.Context, as_json: bool, **params) -> None:
 
     peers = [
         dict(peer_id=r.peer_id, outer_step=r.outer_step, local_step=r.local_step,
-             samples_per_s=round(r.samples_per_s, 2), last_seen=round(r.timestamp, 3))
+             samples_per_s=round(r.samples_per_s, 2), last_seen=round(r.timestamp, 3),
+             mode="client" if r.client_mode else "public", reachability=r.reachability)
         for r in records
     ]
+    public = sum(p["mode"] == "public" for p in peers)
     if as_json:
-        click.echo(json.dumps({"run_id": config.run_id, "peers": peers}))
+        click.echo(json.dumps({"run_id": config.run_id, "peers": peers, "public_peers": public}))
         return
-    click.echo(f"run {config.run_id}: {len(peers)} peer(s)")
+    click.echo(f"run {config.run_id}: {len(peers)} peer(s), {public} public (can lead groups and reduce), "
+               f"{len(peers) - public} in client mode (behind NAT)")
     if peers:
-        click.echo(f"{'peer_id':<54} {'outer':>6} {'local':>8} {'samples/s':>10} {'last seen':>10}")
+        click.echo(f"{'peer_id':<54} {'mode':>6} {'outer':>6} {'local':>8} {'samples/s':>10} {'last seen':>10}")
         for p in peers:
             age = max(0.0, time.time() - p["last_seen"])
-            click.echo(f"{p['peer_id']:<54} {p['outer_step']:>6} {p['local_step']:>8} "
+            click.echo(f"{p['peer_id']:<54} {p['mode']:>6} {p['outer_step']:>6} {p['local_step']:>8} "
                        f"{p['samples_per_s']:>10.1f} {age:>8.0f}s ago")
+        for p in peers:
+            if p["reachability"]:
+                click.echo(f"  {p['peer_id'][-8:]} {p['reachability']}")
+    if peers and not public:
+        click.echo("no peer can lead a group: every peer is behind NAT; rounds cannot form until a worker with a "
+                   "public address (or a forwarded port) joins")
 
 
 @cli.command()

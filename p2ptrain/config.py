@@ -235,6 +235,8 @@ def validate(config: RunConfig) -> None:
          f"train.max_outer_steps must be at least 1, got {t.max_outer_steps}")
     need(t.checkpoint_every >= 1, f"train.checkpoint_every must be at least 1, got {t.checkpoint_every}")
     need(t.eval_batches >= 1, f"train.eval_batches must be at least 1, got {t.eval_batches}")
+    need(s.reachability in ("auto", "public", "client"),
+         f"swarm.reachability {s.reachability!r} is unknown; use one of: auto, public, client")
     need(s.bootstrap_timeout_s > 0, f"swarm.bootstrap_timeout_s must be positive, got {s.bootstrap_timeout_s}")
     try:
         check_maddrs(s.initial_peers, "--initial-peers", need_peer_id=True)

@@ -98,7 +98,7 @@ def _follow(worker_procs, bootstrap_maddr: str, run_id: str, total_steps: int, s
     from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht
     from p2ptrain.swarm.progress import fetch_progress
 
-    dht = start_dht(SwarmConfig(initial_peers=[bootstrap_maddr], host_maddrs=[LOOPBACK], client_mode=True))
+    dht = start_dht(SwarmConfig(initial_peers=[bootstrap_maddr], host_maddrs=[LOOPBACK], reachability="client"))
     bar = tqdm(total=total_steps, desc="swarm", unit="step", file=sys.stdout)
     best: dict = {}
     try:

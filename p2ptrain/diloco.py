@@ -255,6 +255,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             raise
         self.progress = progress or ProgressPublisher(dht, run_id, period_s=progress_period_s)
         self.progress.client_mode = self.averager.client_mode
+        reachability = getattr(dht, "reachability", None)  # how start_dht chose the mode (swarm/reachability.py)
+        self.progress.reachability = str(reachability) if getattr(reachability, "reason", "") else (
+            "client" if self.averager.client_mode else "public")
+        self._explained_no_group_at = -math.inf
         self.progress.settings = settings
         self._throughput_since = time.monotonic()
         self._throughput_samples = 0
@@ -372,6 +376,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             logger.warning(f"{self._tag()} leaving: abandoning this round without an outer step")
             return self._record(started, None, attempts, abandoned=True)
         if result is None:  # the buffers still hold our own pseudo-gradient: a failed round never writes them
+            self._explain_no_group()
             logger.warning(
                 f"{self._tag()} no group formed within {self.matchmaking_time_s:.1f}s; "
                 "applying this peer's own pseudo-gradient (no_group_policy=apply_local)"
@@ -522,6 +527,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 continue
             if self.no_group_policy == "apply_local":
                 break
+            self._explain_no_group()
             logger.warning(
                 f"{self._tag()} no group formed (attempt {attempts}); waiting for peers (no_group_policy=wait)"
             )
@@ -568,6 +574,22 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         schema = hashlib.sha256(repr([(tuple(g.shape), str(g.dtype)) for g in self.global_params]).encode())
         return dict(params_schema=schema.hexdigest()[:16], local_steps=self.local_steps,
                     compression=self.averager.compression_name, protocol=PROTOCOL_VERSION)
+
+    def _explain_no_group(self) -> None:
+        """If no group can form because no live peer can lead one (all behind NAT, in client mode), say so: at
+        most once a minute, instead of waiting in silence."""
+        if not self.averager.client_mode or time.monotonic() - self._explained_no_group_at < 60.0:
+            return
+        records = fetch_progress(self.dht, self.run_id, timeout_s=5.0)
+        if any(not r.client_mode for r in records):
+            return
+        self._explained_no_group_at = time.monotonic()
+        logger.error(
+            f"{self._tag()} no group can form: all {len(records)} live peer(s) of run {self.run_id!r}, this one "
+            "included, are behind NAT (client mode), and only a publicly reachable peer can lead a group and reduce "
+            "its parts; start at least one worker on a host others can dial (a public IP or a forwarded port: "
+            "README, 'Behind NAT')"
+        )
 
     def swarm_outer_step(self) -> int:
         """The highest outer step among the run's other live peers (from their progress records), or -1."""

@@ -7,6 +7,7 @@ hivemind processes on the way out, so no p2pd or averager outlives them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -229,7 +230,6 @@ class Worker:
                 target_group_size=diloco_cfg.target_group_size,
                 no_group_policy=diloco_cfg.no_group_policy,
                 batch_size=train_cfg.batch_size,
-                client_mode=cfg.swarm.client_mode,
                 progress=publisher,
             )
             if ranks.world == 1:
@@ -537,8 +537,9 @@ def run_bootstrap(
     swarm: SwarmConfig, *, maddrs_file: Optional[str], stop: threading.Event, status_interval_s: float = 60.0,
     health_file: Optional[str] = None,
 ) -> None:
-    """A DHT-only peer: starts, prints its addresses, serves until ``stop`` is set, shuts down."""
-    dht = start_dht(swarm)
+    """A DHT-only peer: starts, prints its addresses, serves until ``stop`` is set, shuts down. Always a full
+    member: workers dial it to join, and it answers their reachability probes."""
+    dht = start_dht(dataclasses.replace(swarm, reachability="public"))
     peer_id = dht.peer_id.to_base58()
     heartbeat = None
     try:

@@ -15,6 +15,7 @@ from hivemind.p2p import P2P, P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2ptrain.lifeline import follow_parent, leave_process_group
+from p2ptrain.swarm.reachability import MODES, Reachability, decide, serve_probes
 from p2ptrain.security import (KeyFileError, PeerSignatureValidator, SwarmAuth, SwarmKeyValidator,
                                limit_stream_messages, load_identity, load_swarm_key)
 
@@ -40,8 +41,9 @@ class SwarmConfig:
     """addresses others should dial, if not the listening ones (public IP behind port forwarding)"""
     identity_path: Optional[str] = None
     """private key file for a stable peer id; created if missing"""
-    client_mode: bool = False
-    """dial out only, accept no connections (behind NAT without port forwarding); others must be reachable"""
+    reachability: str = "auto"
+    """public (a full member: others dial it), client (dials out only: behind NAT without a forwarded port), or
+    auto: ask an initial peer to dial this host back and pick (swarm/reachability.py)"""
     use_relay: bool = True
     """let libp2p circuit relays carry traffic to/from peers that cannot be dialled directly"""
     use_auto_relay: bool = False
@@ -101,6 +103,7 @@ class FollowingDHT(hivemind.DHT):
     ``auth`` is the swarm's admission rule (security.SwarmAuth), which the averager applies to its peers too."""
 
     auth: SwarmAuth = SwarmAuth()
+    reachability: Reachability = Reachability(False, "")
     _identity_dir: Optional[str] = None
 
     def run(self) -> None:
@@ -120,6 +123,8 @@ def start_dht(config: SwarmConfig) -> hivemind.DHT:
     initial_peers = list(config.initial_peers)
     if config.initial_peers_file:
         initial_peers += read_maddrs_file(config.initial_peers_file, config.bootstrap_timeout_s)
+    if config.reachability not in MODES:
+        raise SwarmError(f"--reachability {config.reachability!r} is unknown; use one of: {', '.join(MODES)}")
     try:
         auth = SwarmAuth.from_key(load_swarm_key(config.swarm_key_file) if config.swarm_key_file else None)
     except KeyFileError as e:
@@ -142,6 +147,10 @@ def start_dht(config: SwarmConfig) -> hivemind.DHT:
     if auth.private:
         validators.append(SwarmKeyValidator(auth))
     limit_stream_messages()
+    reachability = decide(config.reachability, initial_peers, config.host_maddrs, config.announce_maddrs,
+                          timeout_s=min(config.bootstrap_timeout_s, 15.0))
+    logger.info(f"this peer is {'behind NAT: client mode' if reachability.client_mode else 'public'} "
+                f"({reachability.reason})")
 
     dht = FollowingDHT(
         initial_peers=initial_peers,
@@ -151,14 +160,14 @@ def start_dht(config: SwarmConfig) -> hivemind.DHT:
         # a key made just now is nobody else's: skip hivemind's check, which starts a second p2pd to dial it
         check_if_identity_free=existing_identity,
         record_validators=validators,
-        client_mode=config.client_mode,
+        client_mode=reachability.client_mode,
         use_relay=config.use_relay,
         use_auto_relay=config.use_auto_relay,
         # p2pd gives up on unreachable bootstrap peers after this long instead of waiting forever
         startup_timeout=config.bootstrap_timeout_s,
         start=False,
     )
-    dht.auth, dht._identity_dir = auth, identity_dir
+    dht.auth, dht.reachability, dht._identity_dir = auth, reachability, identity_dir
     if not auth.private:
         logger.warning("this swarm is OPEN: any host that reaches a peer can join it, average with it and download "
                        "the model; give every peer --swarm-key FILE (p2ptrain keygen FILE) to make it private")
@@ -173,6 +182,8 @@ def start_dht(config: SwarmConfig) -> hivemind.DHT:
                 f"address is current and the peer is running and reachable from this host"
             ) from None
         raise SwarmError(f"could not start the DHT ({reason}); check --host-maddrs and --identity") from None
+    if not reachability.client_mode:
+        dht.run_coroutine(serve_probes)  # tell joining peers whether they can be dialled
     return dht
 
 

@@ -65,6 +65,8 @@ class ProgressPublisher:
         self._last_expiration = 0.0
         self.shard_index: Optional[int] = None
         """the data shard this peer claimed, published with every record (see swarm/shards.py)"""
+        self.reachability = ""
+        """how this peer chose public or client mode (swarm/reachability.py), published for status"""
         self.settings: dict = {}
         """SETTINGS -> this peer's value, published with every record (set by DiLoCoOptimizer)"""
 
@@ -81,6 +83,7 @@ class ProgressPublisher:
             timestamp=get_dht_time(),
             samples_since_sync=samples_since_sync,
             client_mode=self.client_mode,
+            reachability=self.reachability,
             shard_index=self.shard_index,
             **self.settings,
         )

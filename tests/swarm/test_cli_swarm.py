@@ -75,8 +75,12 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
         assert listing["run_id"] == "clitest"
         assert len(listing["peers"]) == 2, listing
         for peer in listing["peers"]:
-            assert set(peer) == {"peer_id", "outer_step", "local_step", "samples_per_s", "last_seen"}
+            assert set(peer) == {"peer_id", "outer_step", "local_step", "samples_per_s", "last_seen", "mode",
+                                 "reachability"}
             assert peer["local_step"] >= 20 and peer["samples_per_s"] > 0
+            # --reachability auto: the peer it joined through dialled it back on loopback (tests/netns: real NAT)
+            assert peer["mode"] == "public" and "connected back to 127.0.0.1" in peer["reachability"], peer
+        assert listing["public_peers"] == 2
 
         synced_before_signal = min(p["outer_step"] for p in listing["peers"])
         # the outsider trained alone: no group, its records ignored, and it was told why

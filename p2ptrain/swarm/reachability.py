@@ -1,0 +1,221 @@
+"""Is this host reachable from the swarm? A probe through an initial peer decides between public and client mode.
+
+A peer behind NAT (a home router, a cloud box without a public IP) can dial out but cannot be dialled. In hivemind
+such a peer must run in *client mode*: it stores and reads DHT records through others, joins groups that others
+lead, sends its whole pseudo-gradient to reducers and takes the average back, and downloads state from donors,
+all over connections it opens itself. A public peer is a full member: it also serves DHT requests, leads groups,
+reduces a share of every round and serves state. A NATed peer started as a full member would be put in other
+peers' routing tables and given a share to reduce, and every one of those calls would time out.
+
+So ``--reachability auto`` (the default of ``join``) asks before it starts the DHT:
+
+1. start a throw-away p2pd listening where the DHT will (``--host-maddrs``), connected to the initial peers;
+2. ask up to ``MAX_ASKED`` of them, on the stream protocol ``PROBE_PROTOCOL``, to open a plain TCP connection back
+   to the address our connection came from (the NAT's public address, if there is one), on each of our ports;
+3. any port that connects: public. An answer with none: client mode (behind NAT or a firewall). No answer at all
+   (initial peers of an older version, or none reachable): client mode too, the choice that works either way.
+
+TCP connections, not libp2p dials: the server's p2pd already holds our outbound connection and would reuse it,
+which says nothing about inbound reachability. The server dials only the address the request came from, at most
+``MAX_PORTS`` ports, so the probe cannot be used to make a peer connect to a third host.
+
+Every full-mode p2ptrain peer serves the probe (``serve_probes``, run in its DHT process), the bootstrap peer too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from p2ptrain.proto.p2ptrain_pb2 import ReachabilityReport, ReachabilityRequest
+
+logger = logging.getLogger(__name__)
+
+PROBE_PROTOCOL = "p2ptrain.reachability.v1"
+MAX_PORTS = 8
+MAX_ASKED = 3
+MAX_REQUEST_BYTES = 1024
+DIAL_TIMEOUT_S = 3.0
+MODES = ("auto", "public", "client")
+
+
+@dataclass
+class Reachability:
+    """What this peer decided, and why (logged at start, published in its progress records, shown by status)."""
+
+    client_mode: bool
+    reason: str
+    observed_maddr: str = ""
+    """our address as an initial peer saw it ('' if none answered)"""
+    reachable_ports: List[int] = field(default_factory=list)
+
+    @property
+    def mode(self) -> str:
+        return "client" if self.client_mode else "public"
+
+    def __str__(self) -> str:
+        return f"{self.mode}: {self.reason}"
+
+
+def decide(setting: str, initial_peers: Sequence[str], host_maddrs: Sequence[str],
+           announce_maddrs: Sequence[str] = (), timeout_s: float = 15.0) -> Reachability:
+    """Public or client mode for ``--reachability setting`` (auto, public or client)."""
+    if setting == "public":
+        return Reachability(False, "--reachability public (forced): serving as a full member")
+    if setting == "client":
+        return Reachability(True, "--reachability client (forced): dialling out only")
+    if setting != "auto":
+        raise ValueError(f"--reachability {setting!r} is unknown; use one of: {', '.join(MODES)}")
+    if not initial_peers:
+        return Reachability(False, "no initial peers: the first peer of a swarm is the one the others dial")
+    started = time.monotonic()
+    reports, errors = probe(initial_peers, host_maddrs, announce_maddrs, timeout_s)
+    took = time.monotonic() - started
+    for peer, report in reports:
+        if report.reachable_ports:
+            ip = _ip_of(report.observed_maddr)
+            return Reachability(False, f"{peer[-8:]} connected back to {ip} port(s) "
+                                       f"{', '.join(map(str, report.reachable_ports))} (probe {took:.1f}s)",
+                                report.observed_maddr, list(report.reachable_ports))
+    if reports:
+        peer, report = reports[0]
+        ip = _ip_of(report.observed_maddr) or report.observed_maddr
+        why = report.error or f"could not connect back to {ip}"
+        return Reachability(True, f"{peer[-8:]} {why} (behind NAT or a firewall; probe {took:.1f}s); to serve as a "
+                                  "full member, forward a port and pass --host-maddrs and --announce-maddrs",
+                            report.observed_maddr)
+    return Reachability(True, f"no initial peer could check whether this host is reachable ({'; '.join(errors)}); "
+                              "client mode works either way")
+
+
+def probe(initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str] = (),
+          timeout_s: float = 15.0) -> tuple:
+    """Ask initial peers to dial us back. Returns ([(peer id, ReachabilityReport)], [error strings]); never raises
+    for a network failure. Runs its own event loop in a thread, so it works from any caller."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="p2ptrain-probe") as pool:
+        try:
+            return pool.submit(asyncio.run, _probe(initial_peers, host_maddrs, announce_maddrs, timeout_s)).result()
+        except Exception as e:
+            return [], [f"the probe failed: {_short(e)}"]
+
+
+async def _probe(initial_peers, host_maddrs, announce_maddrs, timeout_s) -> tuple:
+    peer_ids = list(dict.fromkeys(Multiaddr(m)["p2p"] for m in initial_peers))[:MAX_ASKED]
+    try:
+        # dht_mode client: this daemon only asks; no identity: its peer id is a throw-away one
+        p2p = await P2P.create(initial_peers=list(initial_peers), host_maddrs=list(host_maddrs), dht_mode="client",
+                               startup_timeout=timeout_s, use_relay=False, auto_nat=False, nat_port_map=False)
+    except Exception as e:
+        return [], [f"could not start the probe's p2pd or reach an initial peer: {_short(e)}"]
+    try:
+        ports = set()
+        for maddr in [*await p2p.get_visible_maddrs(), *map(Multiaddr, announce_maddrs)]:
+            if "tcp" in [proto.name for proto in maddr.protocols()] and int(maddr["tcp"]):
+                ports.add(int(maddr["tcp"]))
+        request = ReachabilityRequest(ports=sorted(ports)[:MAX_PORTS])
+        answers = await asyncio.gather(*(_ask(p2p, PeerID.from_base58(peer), request, timeout_s) for peer in peer_ids),
+                                       return_exceptions=True)
+    finally:
+        await p2p.shutdown()
+    reports, errors = [], []
+    for peer, answer in zip(peer_ids, answers):
+        if isinstance(answer, BaseException):
+            errors.append(f"{peer[-8:]}: {_short(answer)}")
+        else:
+            reports.append((peer, answer))
+    return reports, errors
+
+
+async def _ask(p2p: P2P, peer: PeerID, request: ReachabilityRequest, timeout_s: float) -> ReachabilityReport:
+    async def exchange() -> ReachabilityReport:
+        _, reader, writer = await p2p.call_binary_stream_handler(peer, PROBE_PROTOCOL)
+        try:
+            await P2P.send_protobuf(request, writer)
+            return ReachabilityReport.FromString(await _read_message(reader, 64 * 1024))
+        finally:
+            writer.close()
+
+    return await asyncio.wait_for(exchange(), timeout_s)
+
+
+# ------------------------------------------------------------------------------------------------- the server
+
+async def serve_probes(_dht, node) -> None:
+    """Run in the DHT process (``dht.run_coroutine(serve_probes)``): answer probes on this peer's p2pd."""
+    await node.p2p.add_binary_stream_handler(PROBE_PROTOCOL, _handle_probe)
+
+
+async def _handle_probe(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        report = await asyncio.wait_for(_answer(stream_info.addr, reader), DIAL_TIMEOUT_S + 5.0)
+        await P2P.send_protobuf(report, writer)
+    except Exception as e:  # a peer's bad or vanished stream: nothing of ours to clean up beyond the writer
+        logger.debug(f"reachability probe from {stream_info.peer_id} failed: {e!r}")
+    finally:
+        writer.close()
+
+
+async def _answer(observed: Multiaddr, reader: asyncio.StreamReader) -> ReachabilityReport:
+    report = ReachabilityReport(observed_maddr=str(observed))
+    try:
+        request = ReachabilityRequest.FromString(await _read_message(reader, MAX_REQUEST_BYTES))
+    except Exception as e:
+        report.error = f"sent a request that does not parse ({_short(e)})"
+        return report
+    ip = _ip_of(str(observed))
+    ports = [port for port in dict.fromkeys(request.ports) if 0 < port < 65536]
+    if not ip:
+        report.error = f"came through {observed}, not from an IP address that can be dialled"
+    elif not ports or len(ports) > MAX_PORTS:
+        report.error = f"asked for {len(ports)} ports; ask for 1 to {MAX_PORTS}"
+    else:
+        connected = await asyncio.gather(*(_connects(ip, port) for port in ports))
+        report.reachable_ports.extend(port for port, ok in zip(ports, connected) if ok)
+    return report
+
+
+async def _connects(ip: str, port: int) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), DIAL_TIMEOUT_S)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
+async def _read_message(reader: asyncio.StreamReader, limit: int) -> bytes:
+    """One message in hivemind's framing (marker byte, 8-byte length, bytes), refused if longer than ``limit``."""
+    marker = await reader.readexactly(1)
+    if marker != P2P.MESSAGE_MARKER:
+        raise ValueError("not a message")
+    (length,) = struct.unpack(">Q", await reader.readexactly(8))
+    if length > limit:
+        raise ValueError(f"a message of {length} bytes, more than {limit}")
+    return await reader.readexactly(length)
+
+
+def _ip_of(maddr: str) -> Optional[str]:
+    try:
+        parsed = Multiaddr(maddr)
+        names = [proto.name for proto in parsed.protocols()]
+    except Exception:
+        return None
+    if "p2p-circuit" in names:
+        return None
+    for name in ("ip4", "ip6"):
+        if name in names:
+            return parsed[name]
+    return None
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[-1] if text else type(e).__name__
