@@ -58,7 +58,7 @@ class ExactAllReduceRunner(AllReduceRunner):
     def __init__(self, *, die_after_parts: Optional[int] = None, max_norm_ratio: Optional[float] = None,
                  on_bad_peer: Optional[Callable[[PeerID, str], None]] = None, **kwargs):
         super().__init__(**kwargs)
-        self.tensor_part_reducer = _Reducer(self.tensor_part_reducer.part_shapes, self.tensor_part_reducer.num_senders)
+        self.tensor_part_reducer.__class__ = _Reducer  # same state, one method changed
         # a part (or an average) whose L2 norm exceeds max_norm_ratio x our own values' norm over the same range is
         # refused: we are honest, and honest peers' pseudo-gradients over one range are alike in size
         self._max_norm_ratio = max_norm_ratio
@@ -80,6 +80,31 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.bytes_received = 0
         # part_index -> the average of that part, serialized once and shared by every sender and by ourselves
         self._serialized_averages: Dict[int, asyncio.Future] = {}
+        # senders whose stream of averages we are still answering (see wait_until_senders_served)
+        self._streams_open = 0
+        self._senders_served = asyncio.Event()
+        self._senders_served.set()
+
+    async def rpc_aggregate_part(self, stream, context):
+        self._streams_open += 1
+        self._senders_served.clear()
+        try:
+            async for message in super().rpc_aggregate_part(stream, context):
+                yield message
+        finally:
+            self._streams_open -= 1
+            if not self._streams_open:
+                self._senders_served.set()
+
+    async def wait_until_senders_served(self, timeout_s: float) -> bool:
+        """Wait until every sender has been sent its last average. Our own result is complete as soon as every
+        part is summed, but the averages still go out to the senders after that (to a client-mode sender only once
+        it has sent everything): a reducer that left at once (its last round) would cut them off mid-stream."""
+        try:
+            await asyncio.wait_for(self._senders_served.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     async def _serialize_average(self, part_index: int, averaged_part: torch.Tensor) -> runtime_pb2.Tensor:
         """Compress the average of one part once; every caller for that part gets the same message."""

@@ -64,6 +64,9 @@ PROTOCOL_VERSION = 3
 2: digests of the global parameters are sha256 (they were blake2b). 3: join requests carry an admission token,
 records about a peer are signed, parts are checked against the reducer's own norm."""
 
+SERVE_SENDERS_TIMEOUT_S = 15.0
+"""how long a reducer that has its own result waits for the other senders to take their last averages"""
+
 BAN_S = 600.0
 """how long a peer that sent a bad part or a bad average is kept out of this peer's groups"""
 
@@ -294,6 +297,9 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
             if not all(all_finite(averaged_tensor) for averaged_tensor in averaged):
                 # a reducer averaged a non-finite part of its own in; keep ours rather than take the poison
                 raise AllreduceException("the averaged result has NaN/inf values; keeping the local tensors")
+            if not await runner.wait_until_senders_served(SERVE_SENDERS_TIMEOUT_S):
+                logger.warning(f"a sender had not taken all of its averages {SERVE_SENDERS_TIMEOUT_S:.0f}s after "
+                               "this peer had its own; going on without waiting for it")
             for tensor, averaged_tensor in zip(tensors, averaged):
                 tensor.copy_(averaged_tensor)
             self.last_updated = time.time()
