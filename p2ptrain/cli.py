@@ -443,12 +443,14 @@ def health(health_file: str, max_age: float) -> None:
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--out", type=click.Path(file_okay=False), default="bench-out", show_default=True,
               help="Folder for report.md, report.json, plots and the daemons' logs.")
+@click.option("--behind-nat", "behind_nat", type=click.IntRange(min=0), multiple=True, default=[0], show_default=True,
+              help="Put this many of the workers behind NAT routers of their own (repeatable, to compare).")
 @click.option("--loopback", is_flag=True, help="No namespaces or rate limit, even as root.")
 @click.option("--clean", "clean_only", is_flag=True, help="Remove namespaces a killed benchmark left, then exit.")
 @click.option("--convergence", "convergence_steps", type=click.IntRange(min=1), multiple=True,
               help="Instead: the convergence experiment at this many inner steps (repeatable): alone, data-parallel "
                    "with --peers x the batch, DiLoCo per --local-steps and --compression, and the real swarm.")
-def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, batch_size, out, loopback,
+def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, batch_size, out, behind_nat, loopback,
           clean_only, convergence_steps) -> None:
     """Benchmark real swarms over rate-limited links (one network namespace per peer; root needed, else
     loopback): compute utilization, bytes on the wire, sync seconds against the bandwidth bound, eval loss."""
@@ -481,7 +483,7 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
     try:
         report = run_bench(models=models, peers=peers, rates_mbit=rates, local_steps=local_steps, phases_s=phases,
                            outer_steps=outer_steps, compressions=compressions, batch_size=batch_size, out=Path(out),
-                           loopback=loopback, echo=click.echo)
+                           loopback=loopback, behind_nat=behind_nat, echo=click.echo)
     except KeyboardInterrupt:
         click.echo(f"interrupted: the namespaces are removed; figures so far in {out}/report.md", err=True)
         sys.exit(130)

@@ -580,15 +580,17 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         most once a minute, instead of waiting in silence."""
         if not self.averager.client_mode or time.monotonic() - self._explained_no_group_at < 60.0:
             return
-        records = fetch_progress(self.dht, self.run_id, timeout_s=5.0)
-        if any(not r.client_mode for r in records):
+        me = self.dht.peer_id.to_base58()
+        others = [r for r in fetch_progress(self.dht, self.run_id, timeout_s=5.0) if r.peer_id != me]
+        if any(not r.client_mode for r in others):
             return
         self._explained_no_group_at = time.monotonic()
+        who = (f"so are all {len(others)} other live peer(s) of run {self.run_id!r}" if others else
+               f"no other peer of run {self.run_id!r} is live")
         logger.error(
-            f"{self._tag()} no group can form: all {len(records)} live peer(s) of run {self.run_id!r}, this one "
-            "included, are behind NAT (client mode), and only a publicly reachable peer can lead a group and reduce "
-            "its parts; start at least one worker on a host others can dial (a public IP or a forwarded port: "
-            "README, 'Behind NAT')"
+            f"{self._tag()} no group can form: this peer is behind NAT (client mode) and {who}; only a peer that "
+            "others can dial can lead a group and reduce its parts: start at least one worker on a host with a "
+            "public IP or a forwarded port (README, 'Behind NAT')"
         )
 
     def swarm_outer_step(self) -> int:

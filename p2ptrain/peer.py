@@ -43,6 +43,7 @@ from p2ptrain.memory import GiB, check_memory
 from p2ptrain.model import build_model, model_config
 from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht, visible_maddrs
 from p2ptrain.swarm.progress import ProgressPublisher
+from p2ptrain.swarm.reachability import connection_counts
 from p2ptrain.swarm.shards import claim_shard, cursor_state, fetch_cursor, publish_cursor
 
 logger = logging.getLogger(__name__)
@@ -83,11 +84,14 @@ class WorkerReport:
     """wall-clock time when the training loop ended"""
     stopped_by: str = ""
     """"max_outer_steps" or "signal" """
+    reachability: str = ""
+    """public or client mode, and why (swarm/reachability.py)"""
     start_outer_step: Optional[int] = None
     """outer step of the state this peer started training from (after any checkpoint and state download)"""
     rounds: List[Dict[str, Any]] = field(default_factory=list)
     """one entry per sync: SyncRecord fields plus the eval loss right after it, the shard position and the
-    cumulative ``compute_s`` at that point. A round joined with weight 0 while taking the swarm's state at start
+    cumulative ``compute_s`` at that point, and this peer's libp2p connections then (``direct``, ``relayed``).
+    A round joined with weight 0 while taking the swarm's state at start
     is one too (``caught_up``)"""
 
     def to_dict(self) -> Dict[str, Any]:
@@ -125,6 +129,7 @@ class Worker:
         self._opt: Optional[DiLoCoOptimizer] = None
         self._checkpoint_parts: Optional[tuple] = None  # (model, optimizer, batches) once training can begin
         self.report = WorkerReport(run_id=config.run_id, model=config.train.model)
+        self._dht = None  # set once joined: the round reports list its connections
         self.ranks = LocalRanks()  # set from torchrun's environment when run() starts
 
     def request_stop(self) -> None:
@@ -281,6 +286,8 @@ class Worker:
         cfg = self.config
         peer_id = dht.peer_id.to_base58()
         self.report.peer_id = peer_id
+        self.report.reachability = str(dht.reachability) if getattr(dht, "reachability", None) else ""
+        self._dht = dht
         logger.info(f"[{peer_id}] joined run {cfg.run_id!r}; other peers can join through:")
         self.report.maddrs = [str(maddr) for maddr in visible_maddrs(dht)]
         for maddr in self.report.maddrs:
@@ -338,6 +345,8 @@ class Worker:
         entry["eval_loss"] = eval_loss
         entry["eval_s"] = eval_s  # the held-out eval after the round: neither compute nor sync
         entry["compute_s"] = self.report.compute_s  # cumulative, so any window of rounds has its compute time
+        if self._dht is not None:
+            entry["connections"] = connection_counts(self._dht)
         self.report.rounds.append(entry)
         self._write_report()
 

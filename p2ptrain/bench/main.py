@@ -13,7 +13,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from p2ptrain.bench.netns import NetnsUnavailable, Topology, leftover_namespaces, netns_problem
+from p2ptrain.bench.netns import NetnsUnavailable, Topology, leftover_namespaces, nat_problem, netns_problem
 from p2ptrain.bench.report import write_report
 from p2ptrain.bench.swarm import BenchConfig, run_config
 
@@ -48,13 +48,13 @@ def calibrate_local_steps(model: str, batch_size: int, phase_s: float, steps: in
 def run_bench(*, models: Sequence[str], peers: int, rates_mbit: Sequence[Optional[float]],
               local_steps: Sequence[int], phases_s: Sequence[float], outer_steps: int,
               compressions: Sequence[str], batch_size: int, out: Path, loopback: bool,
-              echo: Callable[[str], None] = print) -> Path:
+              behind_nat: Sequence[int] = (0,), echo: Callable[[str], None] = print) -> Path:
     """Run every combination and write ``out/report.md`` (+ .json, plots); returns the report's path."""
-    problem = "--loopback given" if loopback else netns_problem()
+    problem = "--loopback given" if loopback else (nat_problem() if any(behind_nat) else netns_problem())
     if problem:
         echo(f"no network namespaces ({problem}): running on loopback with no rate limit, bytes from the peers' "
-             "own counts")
-        rates_mbit = [None]
+             "own counts" + (", and no NAT" if any(behind_nat) else ""))
+        rates_mbit, behind_nat = [None], [0]
     configs: List[BenchConfig] = []
     for model in models:
         steps = list(local_steps)
@@ -65,9 +65,10 @@ def run_bench(*, models: Sequence[str], peers: int, rates_mbit: Sequence[Optiona
             echo(f"{model}: H={h} makes an inner phase of about {phase:.0f}s with {peers} workers on "
                  f"{os.cpu_count()} cores")
             steps.append(h)
-        for h, rate, compression in itertools.product(steps, rates_mbit, compressions):
+        for h, rate, compression, nat in itertools.product(steps, rates_mbit, compressions, behind_nat):
             configs.append(BenchConfig(model=model, peers=peers, rate_mbit=rate, local_steps=h,
-                                       outer_steps=outer_steps, compression=compression, batch_size=batch_size))
+                                       outer_steps=outer_steps, compression=compression, batch_size=batch_size,
+                                       behind_nat=nat))
     results = []
     # Ctrl-C and SIGTERM both end the run cleanly (daemons stopped, namespaces removed), even when started from a
     # shell that had SIGINT ignored (as background jobs of a non-interactive shell are)
@@ -75,7 +76,7 @@ def run_bench(*, models: Sequence[str], peers: int, rates_mbit: Sequence[Optiona
     try:
         for i, cfg in enumerate(configs, 1):
             echo(f"[{i}/{len(configs)}] {cfg.name}")
-            topology = None if problem else Topology(hosts=peers + 1, rate_mbit=cfg.rate_mbit)
+            topology = None if problem else Topology(hosts=peers + 1, rate_mbit=cfg.rate_mbit, nat=cfg.nat_hosts)
             try:
                 results.append(run_config(cfg, out / cfg.name, topology, progress=echo))
             finally:
@@ -84,7 +85,9 @@ def run_bench(*, models: Sequence[str], peers: int, rates_mbit: Sequence[Optiona
             r = results[-1]
             echo(f"  utilization {_pct(r['compute_utilization'])}, sync {_num(r['sync_s'])}s "
                  f"(bound {_num(r['bandwidth_bound_s'])}s), bytes x{_num(r['bytes_vs_butterfly'])} butterfly, "
-                 f"eval loss {_num(r['final_eval_loss'], '.4f')}")
+                 f"eval loss {_num(r['final_eval_loss'], '.4f')}"
+                 + (f", {r['client_mode_peers']} peer(s) in client mode, {r['relayed_connections']} relayed "
+                    "connection(s)" if cfg.behind_nat else ""))
             write_report(results, out, _environment(problem))  # after each: an interrupted run keeps its figures
     finally:
         for sig, handler in previous.items():

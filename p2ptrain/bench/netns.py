@@ -3,6 +3,15 @@
     switch namespace  p2pb-<tag>-sw:  bridge br0, ports s0 .. s<n-1>  (tbf on each port: the host's download)
     host namespace    p2pb-<tag>-h<i>: eth0 = 10.<a>.<b>.<i+1>/24      (tbf on eth0: the host's upload)
 
+A host behind NAT (``nat``) sits behind a router namespace of its own, which takes its place on the switch:
+
+    router namespace  p2pb-<tag>-r<i>: eth0 = 10.<a>.<b>.<i+1>/24 (public), eth1 = 172.16.<i>.1/24 (the host's LAN)
+    host namespace    p2pb-<tag>-h<i>: eth0 = 172.16.<i>.2/24, default route via 172.16.<i>.1
+
+The router masquerades the LAN's traffic (``iptables -t nat ... MASQUERADE``) and, like a home router, forwards
+nothing inbound that is not part of a connection the LAN opened. Public hosts have no route to any LAN, so the
+host can dial out and cannot be dialled: a real NAT, not a flag.
+
 The bridge lives in a namespace of its own, never in the root one: a running dockerd sets the root namespace's
 iptables FORWARD policy to DROP, which silently drops bridged traffic there. Byte counters are the switch ports'
 (``/sys/class/net/s<i>/statistics``), read by one sampler process inside the switch namespace, so reading them costs
@@ -21,7 +30,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, FrozenSet, List, Optional
 
 PREFIX = "p2pb"
 
@@ -40,6 +49,11 @@ def netns_problem() -> str:
     return ""
 
 
+def nat_problem() -> str:
+    """Why NAT routers cannot be made on this host, or ''."""
+    return netns_problem() or ("" if shutil.which("iptables") else "needs iptables for the NAT routers")
+
+
 def _sh(*args: str) -> None:
     done = subprocess.run(args, capture_output=True, text=True)
     if done.returncode:
@@ -56,20 +70,26 @@ def _tbf(namespace: str, device: str, rate_mbit: float) -> None:
 
 @dataclass
 class Topology:
-    """``hosts`` namespaces on one switch, each link limited to ``rate_mbit`` in both directions (None: no limit)."""
+    """``hosts`` namespaces on one switch, each link limited to ``rate_mbit`` in both directions (None: no limit);
+    the hosts in ``nat`` behind a NAT router each."""
 
     hosts: int
     rate_mbit: Optional[float]
+    nat: FrozenSet[int] = frozenset()
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
     namespaces: List[str] = field(default_factory=list)
     addresses: List[str] = field(default_factory=list)
+    """each host's own address (a LAN address behind NAT): where its daemon listens"""
+    public_addresses: List[str] = field(default_factory=list)
+    """each host's address on the switch: its own, or its router's"""
+    routers: Dict[int, str] = field(default_factory=dict)
     switch: str = ""
     _sampler: Optional[subprocess.Popen] = None
     _samples: List[dict] = field(default_factory=list)
     _reader: Optional[threading.Thread] = None
 
     def __post_init__(self) -> None:
-        problem = netns_problem()
+        problem = nat_problem() if self.nat else netns_problem()
         if problem:
             raise NetnsUnavailable(problem)
         subnet = (10, 200 + int(self.tag[:2], 16) % 50, int(self.tag[2:4], 16))
@@ -83,22 +103,51 @@ class Topology:
                 ns, address = f"{PREFIX}-{self.tag}-h{i}", "{}.{}.{}.{}".format(*subnet, i + 1)
                 _sh("ip", "netns", "add", ns)
                 self.namespaces.append(ns)
-                self.addresses.append(address)
+                self.public_addresses.append(address)
                 _sh("ip", "-n", ns, "link", "set", "lo", "up")
-                _sh("ip", "link", "add", f"{PREFIX}{self.tag}e{i}", "netns", ns, "type", "veth", "peer", "name",
-                    f"{PREFIX}{self.tag}s{i}", "netns", self.switch)
-                _sh("ip", "-n", ns, "link", "set", f"{PREFIX}{self.tag}e{i}", "name", "eth0")
+                on_switch = ns
+                if i in self.nat:
+                    on_switch = self.routers[i] = f"{PREFIX}-{self.tag}-r{i}"
+                    _sh("ip", "netns", "add", on_switch)
+                    address = self._nat_router(i, on_switch, ns)
+                self.addresses.append(address)
+                _sh("ip", "link", "add", f"{PREFIX}{self.tag}e{i}", "netns", on_switch, "type", "veth", "peer",
+                    "name", f"{PREFIX}{self.tag}s{i}", "netns", self.switch)
+                _sh("ip", "-n", on_switch, "link", "set", f"{PREFIX}{self.tag}e{i}", "name", "eth0")
                 _sh("ip", "-n", self.switch, "link", "set", f"{PREFIX}{self.tag}s{i}", "name", f"s{i}")
-                _sh("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
-                _sh("ip", "-n", ns, "link", "set", "eth0", "up")
+                _sh("ip", "-n", on_switch, "addr", "add", f"{self.public_addresses[i]}/24", "dev", "eth0")
+                _sh("ip", "-n", on_switch, "link", "set", "eth0", "up")
                 _sh("ip", "-n", self.switch, "link", "set", f"s{i}", "master", "br0")
                 _sh("ip", "-n", self.switch, "link", "set", f"s{i}", "up")
                 if self.rate_mbit:
-                    _tbf(ns, "eth0", self.rate_mbit)  # upload
+                    _tbf(ns, "eth0", self.rate_mbit)  # upload (behind NAT: the host's link to its router)
                     _tbf(self.switch, f"s{i}", self.rate_mbit)  # download
         except BaseException:
             self.close()
             raise
+
+    def _nat_router(self, i: int, router: str, host: str) -> str:
+        """Put host ``i`` on a LAN of its own behind ``router``, which masquerades it; returns its LAN address."""
+        lan = f"172.16.{i}"
+        _sh("ip", "-n", router, "link", "set", "lo", "up")
+        _sh("ip", "link", "add", f"{PREFIX}{self.tag}l{i}", "netns", router, "type", "veth", "peer", "name",
+            f"{PREFIX}{self.tag}h{i}", "netns", host)
+        _sh("ip", "-n", router, "link", "set", f"{PREFIX}{self.tag}l{i}", "name", "eth1")
+        _sh("ip", "-n", host, "link", "set", f"{PREFIX}{self.tag}h{i}", "name", "eth0")
+        _sh("ip", "-n", router, "addr", "add", f"{lan}.1/24", "dev", "eth1")
+        _sh("ip", "-n", host, "addr", "add", f"{lan}.2/24", "dev", "eth0")
+        _sh("ip", "-n", router, "link", "set", "eth1", "up")
+        _sh("ip", "-n", host, "link", "set", "eth0", "up")
+        _sh("ip", "-n", host, "route", "add", "default", "via", f"{lan}.1")
+        nft = ["ip", "netns", "exec", router]
+        _sh(*nft, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+        _sh(*nft, "iptables", "-t", "nat", "-A", "POSTROUTING", "-s", f"{lan}.0/24", "-o", "eth0", "-j",
+            "MASQUERADE")
+        # a home router's firewall: from the outside, only replies to connections the LAN opened get in
+        _sh(*nft, "iptables", "-A", "FORWARD", "-i", "eth0", "-o", "eth1", "-m", "conntrack", "--ctstate",
+            "ESTABLISHED,RELATED", "-j", "ACCEPT")
+        _sh(*nft, "iptables", "-A", "FORWARD", "-i", "eth0", "-o", "eth1", "-j", "DROP")
+        return f"{lan}.2"
 
     def command(self, host: int, *args: str) -> List[str]:
         """``args`` run inside host ``host``'s namespace."""
@@ -142,10 +191,11 @@ class Topology:
         if self._sampler is not None and self._sampler.poll() is None:
             self._sampler.kill()
             self._sampler.wait()
-        for ns in [*self.namespaces, self.switch]:
+        for ns in [*self.namespaces, *self.routers.values(), self.switch]:
             if ns:
                 subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self.namespaces.clear()
+        self.routers.clear()
         self.switch = ""
 
 

@@ -53,6 +53,19 @@ def write_report(results: List[Dict], out: Path, environment: Dict) -> Path:
             f"{_fmt(util_net, '.1f', '%')} | {_fmt(util_train, '.1f', '%')} | {_fmt(util_bound, '.1f', '%')} | "
             f"{_fmt(r['communication_reduction'], '.0f', 'x')} | {_fmt(r['final_eval_loss'], '.4f')} |"
         )
+    nat = [r for r in results if r["config"].get("behind_nat")]
+    if nat:
+        lines += ["", "Behind NAT: the last workers each behind a NAT router of their own (MASQUERADE, no inbound). "
+                      "Client-mode peers reduce nothing: they send their whole pseudo-gradient to the public peers "
+                      "and take the average back, so the public peers carry every part.", "",
+                  "| configuration | client mode | MiB/sync, public peer | MiB/sync, client peer | sync s | "
+                  "relayed connections |", "|---|---:|---:|---:|---:|---:|"]
+        for r in nat:
+            by_mode = r.get("bytes_per_sync_by_mode", {})
+            lines.append(f"| {r['name']} | {r['client_mode_peers']} of {r['config']['peers']} | "
+                         f"{_fmt(by_mode.get('public') and by_mode['public'] / MiB, '.2f')} | "
+                         f"{_fmt(by_mode.get('client') and by_mode['client'] / MiB, '.2f')} | "
+                         f"{_fmt(r['sync_s'], '.2f')} | {r['relayed_connections']} |")
     chatter = [r["waiting_chatter_bytes_per_s"] for r in results if r.get("waiting_chatter_bytes_per_s")]
     if chatter:
         lines += ["", f"While waiting for a slower peer, a peer's link carried {max(chatter) / 1e3:.0f} kB/s at most "

@@ -35,6 +35,8 @@ class BenchConfig:
     compression: str = "fp16"
     batch_size: int = 16
     matchmaking_time_s: float = 5.0
+    behind_nat: int = 0
+    """the last this-many workers each sit behind a NAT router of its own (netns.Topology), and pick client mode"""
     eval_batches: int = 2
     """held-out batches per eval (after every round): evals are wall time but not inner steps, so they lower the
     compute utilization; the worker's default of 8 would cost a 25M-model peer ~10% of a 1-minute phase here"""
@@ -42,7 +44,13 @@ class BenchConfig:
     @property
     def name(self) -> str:
         rate = f"{self.rate_mbit:g}Mbit" if self.rate_mbit else "loopback"
-        return f"{self.model}-{self.peers}peers-{rate}-H{self.local_steps}-{self.compression}"
+        nat = f"-{self.behind_nat}nat" if self.behind_nat else ""
+        return f"{self.model}-{self.peers}peers{nat}-{rate}-H{self.local_steps}-{self.compression}"
+
+    @property
+    def nat_hosts(self) -> frozenset:
+        """Topology host indices behind NAT (host 0 is the bootstrap peer, worker i is host i)."""
+        return frozenset(range(self.peers + 1 - self.behind_nat, self.peers + 1))
 
 
 class BenchFailed(RuntimeError):
@@ -182,7 +190,9 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
             if window > waited + evaluated else None,
             "window_s": window, "compute_s": compute, "startup_s": report["startup_s"], "rounds": per_round,
             "initial_eval_loss": report["initial_eval_loss"], "final_eval_loss": report["final_eval_loss"],
-            "train_started_at": report["train_started_at"],
+            "train_started_at": report["train_started_at"], "reachability": report.get("reachability", ""),
+            "relayed_connections": max((r.get("connections", {}).get("relayed", 0) for r in report["rounds"]),
+                                       default=0),
         })
     steady_rounds = [r for p in peers for r in p["rounds"][1:]]
     wire_key = "wire_sent" if samples else "payload_sent"
@@ -220,5 +230,12 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
         "data_parallel_comm_s_at_link_rate": data_parallel_bytes / rate_bps if rate_bps else None,
         "communication_reduction": data_parallel_bytes / diloco_bytes if diloco_bytes else None,
         "final_eval_loss": mean([p["final_eval_loss"] for p in peers]),
+        # behind NAT: client-mode peers reduce nothing, so the public ones carry every part
+        "bytes_per_sync_by_mode": {
+            mode: mean([max(r[wire_key], r.get("wire_received", r["payload_received"]))
+                        for p in peers if p["reachability"].startswith(mode) for r in p["rounds"][1:]])
+            for mode in ("public", "client")},
+        "client_mode_peers": sum(p["reachability"].startswith("client") for p in peers),
+        "relayed_connections": max((p["relayed_connections"] for p in peers), default=0),
         "peers": peers,
     }

@@ -219,3 +219,21 @@ def _ip_of(maddr: str) -> Optional[str]:
 def _short(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[-1] if text else type(e).__name__
+
+
+# ---------------------------------------------------------------------------------------- connections in use
+
+async def _count_connections(_dht, node) -> dict:
+    peers = await node.p2p.list_peers()
+    # p2pd lists each connection's remote address: a relayed one goes through /p2p-circuit
+    relayed = sum(any("p2p-circuit" in str(addr) for addr in peer.addrs) for peer in peers)
+    return {"direct": len(peers) - relayed, "relayed": relayed}
+
+
+def connection_counts(dht, timeout_s: float = 5.0) -> dict:
+    """How many peers this peer's p2pd is connected to, directly and through relays ({} if it cannot say)."""
+    try:
+        return dht.run_coroutine(_count_connections, return_future=True).result(timeout=timeout_s)
+    except Exception as e:
+        logger.debug(f"could not list connections: {e!r}")
+        return {}
