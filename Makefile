@@ -5,7 +5,7 @@ PIP := $(PYTHON) -m pip
 TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.1" || echo "torch==2.13.0")
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-docker test-all
+.PHONY: setup demo test test-docker test-netns test-all
 
 setup:
 	$(PIP) install --quiet "$(TORCH_SPEC)"
@@ -16,11 +16,15 @@ demo: setup
 
 # the default suite: unit and swarm tests, well under 15 minutes on 2 cores
 test: setup
-	$(PYTHON) -m pytest -m "not slow and not docker" $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -m "not slow and not docker and not netns" $(PYTEST_ARGS)
 
 # the compose swarm: builds the image offline (docker/build-offline.sh) and runs it; needs a Docker engine
 test-docker: setup
 	$(PYTHON) -m pytest -m docker $(PYTEST_ARGS)
+
+# workers behind real NAT routers in network namespaces (iptables MASQUERADE); needs root
+test-netns: setup
+	$(PYTHON) -m pytest -m netns $(PYTEST_ARGS)
 
 test-all: setup
 	$(PYTHON) -m pytest $(PYTEST_ARGS)

@@ -107,6 +107,16 @@ def probe(initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_mad
             return [], [f"the probe failed: {_short(e)}"]
 
 
+class _ClosedSocketFilter(logging.Filter):
+    """p2pd logs the end of its control socket at shutdown ("use of closed network connection") as an ERROR."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "use of closed network connection" not in record.getMessage()
+
+
+logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_ClosedSocketFilter())
+
+
 async def _probe(initial_peers, host_maddrs, announce_maddrs, timeout_s) -> tuple:
     peer_ids = list(dict.fromkeys(Multiaddr(m)["p2p"] for m in initial_peers))[:MAX_ASKED]
     try:

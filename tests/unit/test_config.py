@@ -117,3 +117,20 @@ def test_every_codec_is_selectable_from_file_and_flag(tmp_path):
         assert seen["config"].diloco.compression == name
     result = CliRunner().invoke(probe, ["--compression", "int3"])
     assert result.exit_code == 2 and "'int3' is not one of 'none', 'fp16', 'bf16', 'int8'" in result.output
+
+
+def test_reachability_modes_agree_between_flag_file_and_probe(tmp_path):
+    """--reachability and swarm.reachability accept exactly swarm/reachability.MODES; anything else is refused."""
+    from p2ptrain.cli import RUN_OPTIONS
+    from p2ptrain.swarm.reachability import MODES
+
+    (choice,) = [kwargs["type"] for flag, _, kwargs in RUN_OPTIONS if flag == "--reachability"]
+    assert list(choice.choices) == list(MODES)
+    for mode in MODES:
+        path = tmp_path / f"{mode}.toml"
+        path.write_text(f"[swarm]\nreachability = '{mode}'\n")
+        assert load_config(path).swarm.reachability == mode
+    path = tmp_path / "bad.toml"
+    path.write_text("[swarm]\nreachability = 'nat'\n")
+    with pytest.raises(ConfigError, match="swarm.reachability 'nat' is unknown; use one of: auto, public, client"):
+        load_config(path)

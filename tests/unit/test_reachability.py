@@ -1,0 +1,117 @@
+"""The reachability probe on 127.0.0.1: real p2pd daemons, real TCP dials (behind real NAT: tests/netns)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import hivemind
+from hivemind.p2p import P2P
+from hivemind.utils.multiaddr import Multiaddr
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2ptrain.proto.p2ptrain_pb2 import ReachabilityReport, ReachabilityRequest
+from p2ptrain.swarm.dht import SwarmConfig, SwarmError, start_dht, stop_dht, visible_maddrs
+from p2ptrain.swarm.reachability import MAX_PORTS, PROBE_PROTOCOL, _answer, _read_message, decide
+
+pytestmark = pytest.mark.timeout(120)
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A full-mode peer started by p2ptrain: it serves the probe."""
+    dht = start_dht(SwarmConfig(host_maddrs=[LOOPBACK]))
+    yield dht
+    stop_dht(dht)
+
+
+def ask(server, payload: bytes) -> ReachabilityReport:
+    """Send ``payload`` (a framed message, or anything) on the probe protocol from a fresh p2pd; the answer."""
+    async def exchange():
+        p2p = await P2P.create(initial_peers=visible_maddrs(server), host_maddrs=[LOOPBACK])
+        try:
+            _, reader, writer = await p2p.call_binary_stream_handler(server.peer_id, PROBE_PROTOCOL)
+            writer.write(payload)
+            await writer.drain()
+            try:
+                return ReachabilityReport.FromString(await asyncio.wait_for(_read_message(reader, 1 << 16), 15))
+            finally:
+                writer.close()
+        finally:
+            await p2p.shutdown()
+
+    return asyncio.run(exchange())
+
+
+def framed(message) -> bytes:
+    data = message.SerializeToString()
+    return b"\x00" + struct.pack(">Q", len(data)) + data
+
+
+def test_probe_dials_back_only_the_ports_that_listen(server):
+    listening = socket.create_server(("127.0.0.1", 0))
+    closed = socket.create_server(("127.0.0.1", 0))
+    open_port, closed_port = listening.getsockname()[1], closed.getsockname()[1]
+    closed.close()
+    try:
+        report = ask(server, framed(ReachabilityRequest(ports=[open_port, closed_port])))
+    finally:
+        listening.close()
+    assert report.observed_maddr.startswith("/ip4/127.0.0.1/tcp/") and not report.error
+    assert list(report.reachable_ports) == [open_port]
+
+
+def test_probe_refuses_bad_requests_without_dialling(server):
+    report = ask(server, framed(ReachabilityRequest(ports=list(range(20000, 20000 + MAX_PORTS + 1)))))
+    assert f"asked for {MAX_PORTS + 1} ports" in report.error and not report.reachable_ports
+    report = ask(server, b"\x00" + struct.pack(">Q", 3) + b"\xff\xff\xff")
+    assert "does not parse" in report.error
+    # a request announced larger than 1 KiB is refused before it is read
+    report = ask(server, b"\x00" + struct.pack(">Q", 1 << 40))
+    assert "does not parse" in report.error and "more than 1024" in report.error
+
+
+def test_auto_picks_public_when_dialled_back_and_client_when_nobody_can_check(server):
+    assert not decide("auto", [], [LOOPBACK]).client_mode  # the first peer of a swarm
+    assert decide("client", visible_maddrs(server), [LOOPBACK]).client_mode
+    assert not decide("public", [], [LOOPBACK]).client_mode
+    reached = decide("auto", visible_maddrs(server), [LOOPBACK])
+    assert not reached.client_mode and "connected back to 127.0.0.1" in reached.reason
+    # an initial peer that does not serve the probe (plain hivemind): client mode, which works either way
+    plain = hivemind.DHT(start=True, host_maddrs=[LOOPBACK])
+    try:
+        unknown = decide("auto", [str(m) for m in plain.get_visible_maddrs()], [LOOPBACK], timeout_s=10)
+    finally:
+        plain.shutdown()
+    assert unknown.client_mode and "no initial peer could check" in unknown.reason
+
+
+def test_start_dht_takes_the_mode_it_decided(server):
+    dht = start_dht(SwarmConfig(initial_peers=visible_maddrs(server), host_maddrs=[LOOPBACK],
+                                reachability="client"))
+    try:
+        assert dht.client_mode and dht.reachability.client_mode
+    finally:
+        stop_dht(dht)
+    with pytest.raises(SwarmError, match="--reachability 'nat' is unknown"):
+        start_dht(SwarmConfig(host_maddrs=[LOOPBACK], reachability="nat"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=64) | st.builds(lambda ports: framed(ReachabilityRequest(ports=ports)),
+                                          st.lists(st.integers(0, 2**32 - 1), max_size=12)))
+def test_any_request_gets_a_clean_answer_and_dials_nothing_else(payload):
+    """Whatever arrives, the server answers with a report (an error, or ports of the asker's own address)."""
+    async def answer():
+        reader = asyncio.StreamReader()
+        reader.feed_data(payload)
+        reader.feed_eof()
+        # a relay address cannot be dialled back: every well-formed request must end in an error, no dial
+        return await _answer(Multiaddr("/p2p-circuit"), reader)
+
+    report = asyncio.run(answer())
+    assert report.error and not report.reachable_ports
