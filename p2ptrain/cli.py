@@ -305,6 +305,8 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
         report = worker.run()
     except (CheckpointError, ConfigError, DataError, RunMismatch, SwarmError) as e:
         raise BadInput(str(e)) from None
+    global _SKIP_FINALIZATION
+    _SKIP_FINALIZATION = True  # a worker that trained ends like a rank: see main
     losses = (f"eval loss {report.initial_eval_loss:.4f} -> {report.final_eval_loss:.4f}" if report.rounds
               else f"eval loss {report.initial_eval_loss:.4f}, no round committed")
     logger.info(
@@ -536,11 +538,16 @@ def main(argv: Optional[List[str]] = None) -> None:
             raise
         logger.exception("this rank failed")
         code = 1
-    if _in_rank_process():
+    if _in_rank_process() or _SKIP_FINALIZATION:
         from p2ptrain.hsdp import exit_rank
 
-        exit_rank(code)  # a rank of a multi-rank peer: see exit_rank for why it skips interpreter finalization
+        # a rank of a multi-rank peer, or a worker of one rank that trained: see exit_rank for why it skips
+        # interpreter finalization (a 1-rank worker of the 25M model on 2 loaded cores aborted there too, 1 of 4)
+        exit_rank(code)
     sys.exit(code)
+
+
+_SKIP_FINALIZATION = False
 
 
 def _in_rank_process() -> bool:

@@ -108,7 +108,7 @@ def ranks_started() -> bool:
 
 def exit_rank(code: int) -> NoReturn:
     """End a rank's process with ``code`` without finalizing the interpreter. Call after everything of ours is
-    closed (DHT, averager, ``destroy_process_group``).
+    closed (DHT, averager, ``destroy_process_group``). ``join`` ends this way after training, with one rank too.
 
     Why: gloo never joins its worker threads (neither ``destroy_process_group`` nor dropping every reference does),
     and a worker may still be releasing its last collective's tensors when the main thread returns. Releasing a

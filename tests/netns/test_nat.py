@@ -120,6 +120,19 @@ def test_workers_behind_nat_train_as_full_members(topology, tmp_path):
             return min(sum(r["averaged"] and r["group_size"] == 4 for r in rounds(tmp_path, n)) for n in "ABCD")
         wait_until(lambda: rounds_of_four() >= 2, "2 rounds with group size 4", 240, alive())
 
+        # status, run from a public host, shows each peer's mode and why
+        done = subprocess.run(topology.command(1, sys.executable, "-m", "p2ptrain", "status", "--initial-peers",
+                                               bootstrap_maddr, "--run-id", "nat", "--json"),
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        listing = json.loads(done.stdout)
+        modes = {p["peer_id"]: (p["mode"], p["reachability"]) for p in listing["peers"]}
+        for name in "ABCD":
+            mode, reason = modes[report(tmp_path, name)["peer_id"]]
+            assert mode == ("public" if name in "AB" else "client") and reason == report(tmp_path, name)[
+                "reachability"], (name, mode, reason)
+        assert listing["public_peers"] == 2
+
         # a NATed newcomer joins mid-run, takes the state from the public peers and averages with the swarm
         worker("E")
         wait_until(lambda: any(r["averaged"] and not r["caught_up"] and r["group_size"] >= 2

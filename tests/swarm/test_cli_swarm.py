@@ -158,18 +158,21 @@ def wait_for_log(path, text: str, proc, timeout_s: float = 90) -> None:
     raise AssertionError(f"{text!r} not in {path} after {timeout_s}s:\n{path.read_text()}")
 
 
-def lone_waiting_worker(tmp_path, name: str):
+def lone_waiting_worker(tmp_path, name: str, *extra: str):
     """A worker alone in its swarm under no_group_policy=wait: it sits in matchmaking until stopped."""
     log = tmp_path / f"{name}.log"
     proc = spawn("join", "--host-maddrs", LOOPBACK, "--run-id", name, "--local-steps", "3",
                  "--no-group-policy", "wait", "--matchmaking-time", "2", "--threads", "1", "--no-progress",
-                 "--shard-index", "0", log=log)
+                 "--shard-index", "0", *extra, log=log)
     wait_for_log(log, "waiting for peers", proc)
     return proc, log
 
 
 def test_first_signal_leaves_a_waiting_sync_cleanly(tmp_path):
-    proc, log = lone_waiting_worker(tmp_path, "graceful")
+    # in client mode (as behind NAT): it cannot lead a group, and with no public peer live it says so, not just waits
+    proc, log = lone_waiting_worker(tmp_path, "graceful", "--reachability", "client")
+    wait_for_log(log, "no group can form: this peer is behind NAT (client mode) and no other peer of run 'graceful' "
+                      "is live", proc)
     children = descendants(proc)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 0, log.read_text()
