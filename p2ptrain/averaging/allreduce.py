@@ -85,6 +85,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._senders_served = asyncio.Event()
         self._senders_served.set()
 
+    def should_delay_results(self, peer_id: PeerID) -> bool:
+        """Never: a client-mode sender (behind NAT, it reduces nothing) reads its averages while it still sends.
+        hivemind holds a client's averages until it has sent everything, which turns its full-duplex link into two
+        half-duplex phases: 2x its transfer time, and the reducer's uploads to clients wait for its downloads.
+        Both ends of a stream ask this of their own runner, so every peer of a group must agree (protocol 4)."""
+        return False
+
     async def rpc_aggregate_part(self, stream, context):
         self._streams_open += 1
         self._senders_served.clear()

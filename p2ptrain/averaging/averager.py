@@ -59,10 +59,11 @@ class IncompleteRoundError(AllreduceException):
     """A group formed but the round did not finish on every part (a member died or timed out mid-round)."""
 
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """What peers must agree on beyond the codec to average together; bumped when a round's meaning changes.
 2: digests of the global parameters are sha256 (they were blake2b). 3: join requests carry an admission token,
-records about a peer are signed, parts are checked against the reducer's own norm."""
+records about a peer are signed, parts are checked against the reducer's own norm. 4: reducers stream averages to
+client-mode senders at once (no delayed results), and join requests carry the weight."""
 
 SERVE_SENDERS_TIMEOUT_S = 15.0
 """how long a reducer that has its own result waits for the other senders to take their last averages"""
