@@ -515,6 +515,14 @@ def demo(workers: int, outer_steps: int, local_steps: int, model: str, json_path
         sys.exit(1)
 
 
+REMOVED_FLAGS = {
+    "--client-mode": "use --reachability client, or leave the default (auto: the peer asks an initial peer to dial "
+                     "it back and picks client mode behind NAT)",
+    "--no-client-mode": "use --reachability public, or leave the default (auto)",
+}
+"""flags of earlier versions, each with what to use instead"""
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Entry point: click's errors and ours become one line on stderr with exit code 2."""
     try:
@@ -524,7 +532,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         code = EXIT_FORCED
     except click.UsageError as e:
         command = e.ctx.command_path if e.ctx else "p2ptrain"
-        click.echo(f"Error: {e.format_message()} (see '{command} --help')", err=True)
+        message = e.format_message()
+        for flag, hint in REMOVED_FLAGS.items():
+            if f"No such option '{flag}'" in message:
+                message = f"{flag} was removed: {hint}"
+        click.echo(f"Error: {message} (see '{command} --help')", err=True)
         code = EXIT_BAD_INPUT
     except click.ClickException as e:
         click.echo(f"Error: {e.format_message()}", err=True)

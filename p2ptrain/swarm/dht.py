@@ -15,7 +15,7 @@ from hivemind.p2p import P2P, P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2ptrain.lifeline import follow_parent, leave_process_group
-from p2ptrain.swarm.reachability import MODES, Reachability, decide, serve_probes
+from p2ptrain.swarm.reachability import MODES, Reachability, SwarmUnreachable, decide, serve_probes
 from p2ptrain.security import (KeyFileError, PeerSignatureValidator, SwarmAuth, SwarmKeyValidator,
                                limit_stream_messages, load_identity, load_swarm_key)
 
@@ -147,10 +147,13 @@ def start_dht(config: SwarmConfig) -> hivemind.DHT:
     if auth.private:
         validators.append(SwarmKeyValidator(auth))
     limit_stream_messages()
-    reachability = decide(config.reachability, initial_peers, config.host_maddrs, config.announce_maddrs,
-                          timeout_s=min(config.bootstrap_timeout_s, 15.0))
-    logger.info(f"this peer is {'behind NAT: client mode' if reachability.client_mode else 'public'} "
-                f"({reachability.reason})")
+    try:
+        reachability = decide(config.reachability, initial_peers, config.host_maddrs, config.announce_maddrs,
+                              timeout_s=config.bootstrap_timeout_s)
+    except SwarmUnreachable as e:  # fail now: the DHT would wait as long again and fail the same way
+        raise SwarmError(_join_failure(initial_peers, str(e))) from None
+    logger.info(f"this peer runs {'in client mode (it dials out only)' if reachability.client_mode else 'public'}"
+                f": {reachability.reason}")
 
     dht = FollowingDHT(
         initial_peers=initial_peers,
@@ -177,14 +180,16 @@ def start_dht(config: SwarmConfig) -> hivemind.DHT:
         stop_dht(dht)
         reason = str(e).splitlines()[-1] if str(e) else type(e).__name__
         if initial_peers:
-            raise SwarmError(
-                f"could not join the swarm through {', '.join(initial_peers)} ({reason}); check that the "
-                f"address is current and the peer is running and reachable from this host"
-            ) from None
+            raise SwarmError(_join_failure(initial_peers, reason)) from None
         raise SwarmError(f"could not start the DHT ({reason}); check --host-maddrs and --identity") from None
     if not reachability.client_mode:
         dht.run_coroutine(serve_probes)  # tell joining peers whether they can be dialled
     return dht
+
+
+def _join_failure(initial_peers: Sequence[str], reason: str) -> str:
+    return (f"could not join the swarm through {', '.join(initial_peers)} ({reason}); check that the address is "
+            "current and the peer is running and reachable from this host")
 
 
 def visible_maddrs(dht: hivemind.DHT) -> List[str]:

@@ -47,6 +47,10 @@ DIAL_TIMEOUT_S = 3.0
 MODES = ("auto", "public", "client")
 
 
+class SwarmUnreachable(Exception):
+    """The probe's p2pd could not start or reach any initial peer: the DHT would fail the same way, only later."""
+
+
 @dataclass
 class Reachability:
     """What this peer decided, and why (logged at start, published in its progress records, shown by status)."""
@@ -67,7 +71,8 @@ class Reachability:
 
 def decide(setting: str, initial_peers: Sequence[str], host_maddrs: Sequence[str],
            announce_maddrs: Sequence[str] = (), timeout_s: float = 15.0) -> Reachability:
-    """Public or client mode for ``--reachability setting`` (auto, public or client)."""
+    """Public or client mode for ``--reachability setting`` (auto, public or client). Raises SwarmUnreachable if
+    no initial peer can be reached at all."""
     if setting == "public":
         return Reachability(False, "--reachability public (forced): serving as a full member")
     if setting == "client":
@@ -98,11 +103,13 @@ def decide(setting: str, initial_peers: Sequence[str], host_maddrs: Sequence[str
 
 def probe(initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str] = (),
           timeout_s: float = 15.0) -> tuple:
-    """Ask initial peers to dial us back. Returns ([(peer id, ReachabilityReport)], [error strings]); never raises
-    for a network failure. Runs its own event loop in a thread, so it works from any caller."""
+    """Ask initial peers to dial us back. Returns ([(peer id, ReachabilityReport)], [error strings]); raises only
+    SwarmUnreachable (no initial peer reached). Runs its own event loop in a thread, so it works from any caller."""
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="p2ptrain-probe") as pool:
         try:
             return pool.submit(asyncio.run, _probe(initial_peers, host_maddrs, announce_maddrs, timeout_s)).result()
+        except SwarmUnreachable:
+            raise
         except Exception as e:
             return [], [f"the probe failed: {_short(e)}"]
 
@@ -124,7 +131,7 @@ async def _probe(initial_peers, host_maddrs, announce_maddrs, timeout_s) -> tupl
         p2p = await P2P.create(initial_peers=list(initial_peers), host_maddrs=list(host_maddrs), dht_mode="client",
                                startup_timeout=timeout_s, use_relay=False, auto_nat=False, nat_port_map=False)
     except Exception as e:
-        return [], [f"could not start the probe's p2pd or reach an initial peer: {_short(e)}"]
+        raise SwarmUnreachable(_short(e)) from None
     try:
         ports = set()
         for maddr in [*await p2p.get_visible_maddrs(), *map(Multiaddr, announce_maddrs)]:
@@ -153,7 +160,8 @@ async def _ask(p2p: P2P, peer: PeerID, request: ReachabilityRequest, timeout_s: 
         finally:
             writer.close()
 
-    return await asyncio.wait_for(exchange(), timeout_s)
+    # the server answers within its dial timeout: an initial peer that says nothing for longer will not
+    return await asyncio.wait_for(exchange(), min(timeout_s, DIAL_TIMEOUT_S + 7.0))
 
 
 # ------------------------------------------------------------------------------------------------- the server

@@ -36,6 +36,8 @@ def free_port() -> int:
         (["join", "--local-steps", "abc"], ["--local-steps", "not a valid integer"]),
         (["join", "--local-steps", "0"], ["--local-steps"]),
         (["join", "--compression", "int3"], ["--compression", "'int3' is not one of 'none', 'fp16', 'bf16', 'int8'"]),
+        (["join", "--reachability", "nat"], ["--reachability", "'nat' is not one of 'auto', 'public', 'client'"]),
+        (["join", "--client-mode"], ["--client-mode was removed: use --reachability client"]),
         (["join", "--config", "/nonexistent/run.toml"], ["/nonexistent/run.toml does not exist"]),
         (["join", "--initial-peers", "bootstrap.example.org:4001"], ["--initial-peers", "is not a multiaddr"]),
         (["join", "--initial-peers", "/ip4/127.0.0.1/tcp/4001"], ["has no /p2p/<peer id>"]),
