@@ -149,6 +149,14 @@ class Topology:
         _sh(*nft, "iptables", "-A", "FORWARD", "-i", "eth0", "-o", "eth1", "-j", "DROP")
         return f"{lan}.2"
 
+    def forward_port(self, host: int, port: int) -> None:
+        """Forward TCP ``port`` of host ``host``'s router to the host (what a user does on a home router)."""
+        router, lan = ["ip", "netns", "exec", self.routers[host]], self.addresses[host]
+        _sh(*router, "iptables", "-t", "nat", "-A", "PREROUTING", "-i", "eth0", "-p", "tcp", "--dport", str(port),
+            "-j", "DNAT", "--to-destination", f"{lan}:{port}")
+        _sh(*router, "iptables", "-I", "FORWARD", "1", "-i", "eth0", "-o", "eth1", "-p", "tcp", "-d", lan,
+            "--dport", str(port), "-j", "ACCEPT")
+
     def command(self, host: int, *args: str) -> List[str]:
         """``args`` run inside host ``host``'s namespace."""
         return ["ip", "netns", "exec", self.namespaces[host], *args]

@@ -41,14 +41,18 @@ PUBLIC, NATED = (0, 1), (2, 3, 4)
 WORKER_HOSTS = {"A": 0, "B": 1, "C": 2, "D": 3, "E": 4}
 
 
-@pytest.fixture
-def topology():
+def make_topology(hosts: int, nat: frozenset) -> Topology:
     problem = nat_problem()
     if problem:
         if os.environ.get("P2PTRAIN_REQUIRE_NETNS") == "1":
             pytest.fail(f"cannot make NAT routers ({problem}), but P2PTRAIN_REQUIRE_NETNS=1")
         pytest.skip(f"the NAT test {problem}; run it as root (make test-netns)")
-    topo = Topology(hosts=5, rate_mbit=None, nat=frozenset(NATED))
+    return Topology(hosts=hosts, rate_mbit=None, nat=nat)
+
+
+@pytest.fixture
+def topology():
+    topo = make_topology(5, frozenset(NATED))
     yield topo
     topo.close()
 
@@ -176,3 +180,34 @@ def test_workers_behind_nat_train_as_full_members(topology, tmp_path):
     finally:
         stop_daemons([proc for name, proc in procs.items() if name != "boot"], timeout_s=30)
         stop_daemons([procs["boot"]] if "boot" in procs else [], timeout_s=30)
+
+
+def start_dht_in(topology: Topology, host: int, *args: str) -> str:
+    """Run start_dht in a host's namespace with these SwarmConfig keyword arguments; returns its reachability."""
+    code = ("import sys\nfrom p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht\n"
+            f"dht = start_dht(SwarmConfig({', '.join(args)}))\nprint(dht.reachability, flush=True)\nstop_dht(dht)\n")
+    done = subprocess.run(topology.command(host, sys.executable, "-c", code), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
+
+
+def test_a_forwarded_port_makes_a_worker_behind_nat_public(tmp_path):
+    """What the README tells a user behind NAT who wants to be a full member: forward a port, announce it."""
+    topology = make_topology(2, frozenset({1}))
+    boot = None
+    try:
+        boot = spawn(["bootstrap", "--host-maddrs", f"/ip4/{topology.addresses[0]}/tcp/0", "--maddrs-file",
+                      str(tmp_path / "maddrs")], tmp_path / "boot.log", topology.command(0))
+        maddr = wait_for_address(tmp_path / "maddrs", boot)
+        port, lan, public = 31337, topology.addresses[1], topology.public_addresses[1]
+        peer = f"initial_peers=[{maddr!r}], host_maddrs=['/ip4/{lan}/tcp/{port}']"
+        announce = f"announce_maddrs=['/ip4/{public}/tcp/{port}']"
+        assert start_dht_in(topology, 1, peer, announce).startswith("client: ")  # not forwarded yet
+        topology.forward_port(1, port)
+        reach = start_dht_in(topology, 1, peer, announce)
+        assert reach.startswith("public: ") and f"connected back to {public} port(s) {port}" in reach, reach
+    finally:
+        if boot is not None:
+            stop_daemons([boot], timeout_s=30)
+        topology.close()
