@@ -160,12 +160,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         an empty string if it may."""
         if self.is_banned(peer):
             return f"it is excluded ({self._banned[peer][1]})"
-        try:
-            user_gathered = self.serializer.loads(self.serializer.loads(gathered)[2])
-            token = user_gathered.get("admission") if isinstance(user_gathered, dict) else None
-        except Exception:
-            token = None
-        if not self.auth.admits(peer, token):
+        if not self.auth.admits(peer, self._user_gathered(gathered).get("admission")):
             return "it does not hold this swarm's key (--swarm-key)"
         return ""
 
@@ -181,6 +176,14 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         async for response in super().rpc_join_group(request, context):
             yield response
 
+    def _user_gathered(self, gathered: bytes) -> dict:
+        """What a member put in ``step(gather=...)``, from its serialized entry ({} if that is not a dict)."""
+        try:
+            user_gathered = self.serializer.loads(self.serializer.loads(gathered)[2])
+        except Exception:
+            return {}
+        return user_gathered if isinstance(user_gathered, dict) else {}
+
     def _check_members(self, group_info: GroupInfo) -> None:
         """A leader we do not know may have put anyone in the group: every member must be admitted by us too."""
         for peer_id, gathered in zip(group_info.peer_ids, group_info.gathered):
@@ -194,12 +197,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         """A group whose members all weigh 0 (newcomers joining a round in progress, peers whose training diverged)
         has no pseudo-gradient to average: running it would commit an outer step the swarm never took. Every member
         sees the same gathered weights, so all of them leave it alike. A member that sent no weight counts."""
-        weights = []
-        for gathered in group_info.gathered:
-            try:
-                weights.append(self.serializer.loads(self.serializer.loads(gathered)[2]).get("weight", 1.0))
-            except Exception:
-                weights.append(1.0)
+        weights = [self._user_gathered(gathered).get("weight", 1.0) for gathered in group_info.gathered]
         if all(isinstance(w, (int, float)) and w == 0 for w in weights):
             logger.info(f"left a group of {len(weights)} in which nobody has a pseudo-gradient to add (all weigh 0)")
             raise MatchmakingException("every member of the group has weight 0: nothing to average")

@@ -197,7 +197,11 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
     steady_rounds = [r for p in peers for r in p["rounds"][1:]]
     wire_key = "wire_sent" if samples else "payload_sent"
     mean = (lambda xs: sum(xs) / len(xs) if xs else None)
-    bytes_per_sync = mean([max(r[wire_key], r.get("wire_received", r["payload_received"])) for r in steady_rounds])
+
+    def sync_bytes(r: dict) -> int:  # a peer's bytes in one sync: the larger of the two directions
+        return max(r[wire_key], r.get("wire_received", r["payload_received"]))
+
+    bytes_per_sync = mean([sync_bytes(r) for r in steady_rounds])
     sync_s = mean([r["sync_s"] for r in steady_rounds])
     bound_s = butterfly / rate_bps if rate_bps else None
     inner_steps = cfg.local_steps * cfg.outer_steps
@@ -232,8 +236,7 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
         "final_eval_loss": mean([p["final_eval_loss"] for p in peers]),
         # behind NAT: client-mode peers reduce nothing, so the public ones carry every part
         "bytes_per_sync_by_mode": {
-            mode: mean([max(r[wire_key], r.get("wire_received", r["payload_received"]))
-                        for p in peers if p["reachability"].startswith(mode) for r in p["rounds"][1:]])
+            mode: mean([sync_bytes(r) for p in peers if p["reachability"].startswith(mode) for r in p["rounds"][1:]])
             for mode in ("public", "client")},
         "client_mode_peers": sum(p["reachability"].startswith("client") for p in peers),
         "relayed_connections": max((p["relayed_connections"] for p in peers), default=0),
