@@ -19,6 +19,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import click
 
 from p2ptrain import __version__
+# light on purpose (no torch, no hivemind): every import at this level runs before --help can print
+from p2ptrain.config import COMPRESSION_NAMES, NO_GROUP_POLICIES
 
 logger = logging.getLogger("p2ptrain.cli")
 
@@ -120,10 +122,10 @@ RUN_OPTIONS: List[Tuple[str, str, Dict[str, Any]]] = [
     ("--local-steps", "diloco.local_steps", dict(type=click.IntRange(min=1), help="Inner steps between syncs (H).")),
     ("--inner-lr", "diloco.inner_lr", dict(type=float, help="AdamW learning rate.")),
     ("--outer-lr", "diloco.outer_lr", dict(type=float, help="Outer SGD (Nesterov) learning rate.")),
-    # the names of averaging/compression.py's COMPRESSIONS (spelled out: importing it would pull in hivemind and
-    # slow down --help; tests/unit/test_config.py checks that the two agree)
+    # config's copy of averaging/compression.py's names: importing that module would pull in hivemind and torch
+    # and slow down --help; tests/unit/test_startup.py checks that the two agree
     ("--compression", "diloco.compression",
-     dict(type=click.Choice(["none", "fp16", "bf16", "int8"]),
+     dict(type=click.Choice(list(COMPRESSION_NAMES)),
           help="Pseudo-gradients on the wire: fp32, fp16, bf16 (2 bytes/value) or int8 (~1 byte/value, with error "
                "feedback).")),
     ("--matchmaking-time", "diloco.matchmaking_time_s",
@@ -134,7 +136,7 @@ RUN_OPTIONS: List[Tuple[str, str, Dict[str, Any]]] = [
     ("--target-group-size", "diloco.target_group_size",
      dict(type=click.IntRange(min=1), help="Most peers per group; a full group starts at once.")),
     ("--no-group-policy", "diloco.no_group_policy",
-     dict(type=click.Choice(["apply_local", "wait"]), help="What to do when nobody is there to average with.")),
+     dict(type=click.Choice(list(NO_GROUP_POLICIES)), help="What to do when nobody is there to average with.")),
     ("--model", "train.model", dict(help="Built-in model size: tiny, small, 124m.")),
     ("--batch-size", "train.batch_size", dict(type=click.IntRange(min=1), help="Sequences per inner step.")),
     ("--seed", "train.seed", dict(type=int, help="Model init seed; the same on every peer of a run.")),
@@ -154,7 +156,10 @@ RUN_OPTIONS: List[Tuple[str, str, Dict[str, Any]]] = [
      dict(type=click.IntRange(min=1), help="Leave cleanly after this many syncs; default: until stopped.")),
     ("--eval-batches", "train.eval_batches", dict(type=click.IntRange(min=1), help="Held-out batches per eval.")),
     ("--log-interval", "train.log_interval_s", dict(type=float, help="Seconds between log lines.")),
-    ("--threads", "train.threads", dict(type=click.IntRange(min=1), help="torch CPU threads.")),
+    ("--threads", "train.threads",
+     dict(type=click.IntRange(min=1),
+          help="torch CPU threads; default: the cores this process may use. When K workers share one host give each "
+               "about cores/K, e.g. --threads 4 for 4 workers on 16 cores.")),
     ("--checkpoint-dir", "train.checkpoint_dir",
      dict(help="Write <run-id>.pt here atomically every --checkpoint-every syncs and at exit.")),
     ("--checkpoint-every", "train.checkpoint_every",

@@ -20,20 +20,63 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from p2ptrain.averaging.compression import COMPRESSIONS
-from p2ptrain.diloco import NO_GROUP_POLICIES
-from p2ptrain.swarm.dht import SwarmConfig, check_maddrs
+# This module imports nothing heavy (no torch, no hivemind): the CLI reads it to build --help, which must start at
+# once. What it needs from the heavy modules is spelled out here; tests/unit/test_config.py checks that they agree.
+
+COMPRESSION_NAMES = ("none", "fp16", "bf16", "int8")
+"""the codecs of averaging/compression.py's COMPRESSIONS, in its order"""
+NO_GROUP_POLICIES = ("apply_local", "wait")
+"""diloco.NO_GROUP_POLICIES: what a peer does when nobody is there to average with"""
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+
+@dataclass
+class SwarmConfig:
+    """How this peer joins the DHT."""
+
+    initial_peers: List[str] = field(default_factory=list)
+    """multiaddrs of live peers (a bootstrap peer or any worker), each ending in /p2p/<peer id>"""
+    initial_peers_file: Optional[str] = None
+    """a file of more initial peers, one multiaddr per line (a bootstrap peer's --maddrs-file on a shared volume);
+    waited for up to bootstrap_timeout_s, so a worker may start before its bootstrap peer"""
+    host_maddrs: List[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    """where to listen; tcp/0 picks a free port"""
+    announce_maddrs: List[str] = field(default_factory=list)
+    """addresses others should dial, if not the listening ones (public IP behind port forwarding)"""
+    identity_path: Optional[str] = None
+    """private key file for a stable peer id; created if missing"""
+    reachability: str = "auto"
+    """public (a full member: others dial it), client (dials out only: behind NAT without a forwarded port), or
+    auto: ask an initial peer to dial this host back and pick (swarm/reachability.py)"""
+    use_relay: bool = True
+    """let libp2p circuit relays carry traffic to/from peers that cannot be dialled directly"""
+    use_auto_relay: bool = False
+    """look for relays and advertise relayed addresses automatically (peers behind NAT)"""
+    bootstrap_timeout_s: float = 30.0
+    """give up joining if no initial peer answers within this time"""
+    swarm_key_file: Optional[str] = None
+    """the swarm's shared key (``p2ptrain keygen``): only peers holding it take part; None: an open swarm"""
+
+
+def default_threads() -> int:
+    """The CPU cores this process may use (its affinity mask: a container's or taskset's cpuset, else every core):
+    what a worker should give torch when ``train.threads`` is unset. K workers sharing one host should each get
+    about cores/K instead (``--threads 4`` for 4 workers on 16 cores): more threads than cores slow every one down."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS, Windows)
+        return max(1, os.cpu_count() or 1)
 
 
 class ConfigError(ValueError):
@@ -102,7 +145,8 @@ class TrainConfig:
     log_interval_s: float = 10.0
     """seconds between log lines"""
     threads: Optional[int] = None
-    """torch CPU threads; unset: torch's default"""
+    """torch CPU threads; unset: the cores this process may use (config.default_threads()). When K workers share
+    one host, give each about cores/K (e.g. 4 for 4 workers on 16 cores)"""
     checkpoint_dir: Optional[str] = None
     """write <run_id>.pt here atomically every checkpoint_every syncs and at exit; unset: no checkpoints"""
     checkpoint_every: int = 10
@@ -214,8 +258,8 @@ def validate(config: RunConfig) -> None:
     need(0 <= d.outer_momentum < 1, f"diloco.outer_momentum must be in [0, 1), got {d.outer_momentum}")
     need(len(d.inner_betas) == 2 and all(0 <= b < 1 for b in d.inner_betas),
          f"diloco.inner_betas must be two numbers in [0, 1), got {d.inner_betas}")
-    need(d.compression in COMPRESSIONS,
-         f"diloco.compression {d.compression!r} is unknown; use one of: {', '.join(COMPRESSIONS)}")
+    need(d.compression in COMPRESSION_NAMES,
+         f"diloco.compression {d.compression!r} is unknown; use one of: {', '.join(COMPRESSION_NAMES)}")
     need(d.matchmaking_time_s > 0 and math.isfinite(d.matchmaking_time_s),
          f"diloco.matchmaking_time_s must be a positive number of seconds, got {d.matchmaking_time_s}")
     need(d.averaging_timeout_s > 0, f"diloco.averaging_timeout_s must be positive, got {d.averaging_timeout_s}")
@@ -238,6 +282,8 @@ def validate(config: RunConfig) -> None:
     need(s.reachability in ("auto", "public", "client"),
          f"swarm.reachability {s.reachability!r} is unknown; use one of: auto, public, client")
     need(s.bootstrap_timeout_s > 0, f"swarm.bootstrap_timeout_s must be positive, got {s.bootstrap_timeout_s}")
+    from p2ptrain.swarm.dht import check_maddrs  # late: it parses with hivemind's multiaddr, which loads torch
+
     try:
         check_maddrs(s.initial_peers, "--initial-peers", need_peer_id=True)
         check_maddrs(s.host_maddrs, "--host-maddrs")

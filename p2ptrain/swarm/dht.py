@@ -6,7 +6,6 @@ import logging
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -14,6 +13,7 @@ import hivemind
 from hivemind.p2p import P2P, P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
+from p2ptrain.config import SwarmConfig  # noqa: F401 (it lived here; importers may still use this path)
 from p2ptrain.lifeline import follow_parent, leave_process_group
 from p2ptrain.swarm.reachability import MODES, Reachability, SwarmUnreachable, decide, serve_probes
 from p2ptrain.security import (KeyFileError, PeerSignatureValidator, SwarmAuth, SwarmKeyValidator,
@@ -24,34 +24,6 @@ logger = logging.getLogger(__name__)
 
 class SwarmError(Exception):
     """The swarm could not be joined; the message says why and what to do. Not a bug: the CLI exits with 2."""
-
-
-@dataclass
-class SwarmConfig:
-    """How this peer joins the DHT."""
-
-    initial_peers: List[str] = field(default_factory=list)
-    """multiaddrs of live peers (a bootstrap peer or any worker), each ending in /p2p/<peer id>"""
-    initial_peers_file: Optional[str] = None
-    """a file of more initial peers, one multiaddr per line (a bootstrap peer's --maddrs-file on a shared volume);
-    waited for up to bootstrap_timeout_s, so a worker may start before its bootstrap peer"""
-    host_maddrs: List[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
-    """where to listen; tcp/0 picks a free port"""
-    announce_maddrs: List[str] = field(default_factory=list)
-    """addresses others should dial, if not the listening ones (public IP behind port forwarding)"""
-    identity_path: Optional[str] = None
-    """private key file for a stable peer id; created if missing"""
-    reachability: str = "auto"
-    """public (a full member: others dial it), client (dials out only: behind NAT without a forwarded port), or
-    auto: ask an initial peer to dial this host back and pick (swarm/reachability.py)"""
-    use_relay: bool = True
-    """let libp2p circuit relays carry traffic to/from peers that cannot be dialled directly"""
-    use_auto_relay: bool = False
-    """look for relays and advertise relayed addresses automatically (peers behind NAT)"""
-    bootstrap_timeout_s: float = 30.0
-    """give up joining if no initial peer answers within this time"""
-    swarm_key_file: Optional[str] = None
-    """the swarm's shared key (``p2ptrain keygen``): only peers holding it take part; None: an open swarm"""
 
 
 def read_maddrs_file(path: str, timeout_s: float, poll_s: float = 0.5) -> List[str]:
