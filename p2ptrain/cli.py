@@ -229,6 +229,17 @@ def load_run_config(ctx: click.Context, config_path: Optional[str], params: Dict
         raise BadInput(str(e)) from None
 
 
+def draw_bars(progress: Optional[bool], stream: Any) -> bool:
+    """--progress/--no-progress as given, else a bar only on a terminal: in a log file a bar is a carriage-return
+    mess (one redraw per step), and the periodic log lines already tell how far training got."""
+    if progress is not None:
+        return progress
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # closed or replaced by an object without isatty
+        return False
+
+
 HEALTH_FILE_OPTION = click.option(
     "--health-file", type=click.Path(dir_okay=False), envvar="P2PTRAIN_HEALTH_FILE", show_envvar=True,
     help="Rewrite this JSON file every few seconds with what the daemon is doing; `p2ptrain health` checks it.")
@@ -277,13 +288,16 @@ def bootstrap(ctx: click.Context, maddrs_file: Optional[str], config_path: Optio
               help="TOML config file; flags and P2PTRAIN_* variables override it.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), envvar="P2PTRAIN_REPORT",
               show_envvar=True, help="Write a JSON report (losses, every sync) here after every sync and at exit.")
-@click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
+@click.option("--progress/--no-progress", default=None, show_default=False,
+              help="Draw a progress bar. Default: only when stderr is a terminal; in a log file (systemd, docker, "
+                   "> file) the periodic log lines (--log-interval) show progress instead.")
 @click.option("--resume", is_flag=True, help="Continue from the checkpoint in --checkpoint-dir.")
 @HEALTH_FILE_OPTION
 @click.option("--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
               help="Local ranks (GPUs) of this peer: the model is sharded over them with FSDP2 (via torchrun).")
 @click.pass_context
-def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[str], progress: bool, resume: bool,
+def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[str], progress: Optional[bool],
+         resume: bool,
          health_file: Optional[str], nproc_per_node: int, **params) -> None:
     """Join a run as a training peer."""
     from p2ptrain.checkpoint import CheckpointError
@@ -303,7 +317,8 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
         _run_ranks(nproc_per_node)  # does not return: torchrun starts the ranks, each runs this command
     if not config.swarm.initial_peers and not config.swarm.initial_peers_file:
         logger.warning("no --initial-peers: starting a new swarm; others can join through the addresses below")
-    worker = Worker(config, report_path=expand_hostname(report_path), show_progress=progress, resume=resume,
+    worker = Worker(config, report_path=expand_hostname(report_path), show_progress=draw_bars(progress, sys.stderr),
+                    resume=resume,
                     health_file=expand_hostname(health_file))
     install_stop_handlers(worker.request_stop)
     try:
@@ -504,8 +519,11 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
 @click.option("--model", default="tiny", help="Built-in model size.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the per-worker table as JSON.")
 @click.option("--keep-logs", is_flag=True, help="Keep the workers' log folder even when all went well.")
+@click.option("--progress/--no-progress", default=None, show_default=False,
+              help="Draw a progress bar of the swarm. Default: only when stdout is a terminal; else a line every few "
+                   "seconds.")
 def demo(workers: int, outer_steps: int, local_steps: int, model: str, json_path: Optional[str],
-         keep_logs: bool) -> None:
+         keep_logs: bool, progress: Optional[bool]) -> None:
     """Train the built-in model with a bootstrap peer and N workers on 127.0.0.1."""
     from p2ptrain.daemons import DaemonError
     from p2ptrain.demo import run_demo
@@ -514,7 +532,7 @@ def demo(workers: int, outer_steps: int, local_steps: int, model: str, json_path
     install_stop_handlers(stop.set)
     try:
         run_demo(workers=workers, outer_steps=outer_steps, local_steps=local_steps, model=model,
-                 json_path=json_path, keep_logs=keep_logs, stop=stop)
+                 json_path=json_path, keep_logs=keep_logs, stop=stop, show_progress=draw_bars(progress, sys.stdout))
     except DaemonError as e:
         click.echo(f"Error: {e}", err=True)
         sys.exit(1)

@@ -41,7 +41,10 @@ def run_demo(
     json_path: Optional[str] = None,
     keep_logs: bool = False,
     stop: Optional[threading.Event] = None,
+    show_progress: bool = True,
+    progress_interval_s: float = 10.0,
 ) -> dict:
+    """``show_progress``: a tqdm bar on stdout; False: a plain line every ``progress_interval_s`` (for log files)."""
     stop = stop or threading.Event()
     log_dir = Path(tempfile.mkdtemp(prefix="p2ptrain-demo-"))
     run_id = f"demo-{uuid.uuid4().hex[:8]}"
@@ -71,7 +74,8 @@ def run_demo(
             worker_procs.append(spawn(args, log_dir / f"worker-{i}.log"))
         procs.extend(worker_procs)
 
-        _follow(worker_procs, bootstrap_maddr, run_id, workers * outer_steps * local_steps, stop)
+        _follow(worker_procs, bootstrap_maddr, run_id, workers * outer_steps * local_steps, stop,
+                show_progress=show_progress, interval_s=progress_interval_s)
         if stop.is_set():
             raise DemoError(f"stopped by signal; logs in {log_dir}")
         failed = [i for i, p in enumerate(worker_procs) if p.returncode != 0]
@@ -93,21 +97,30 @@ def run_demo(
             shutil.rmtree(log_dir, ignore_errors=True)
 
 
-def _follow(worker_procs, bootstrap_maddr: str, run_id: str, total_steps: int, stop: threading.Event) -> None:
-    """Show a progress bar of the swarm's local steps, read from the DHT like `status`, until workers exit."""
+def _follow(worker_procs, bootstrap_maddr: str, run_id: str, total_steps: int, stop: threading.Event, *,
+            show_progress: bool = True, interval_s: float = 10.0) -> None:
+    """Show the swarm's local steps, read from the DHT like `status`, until the workers exit: as a progress bar, or
+    (``show_progress`` False: stdout is a file) as a line every ``interval_s``, since a bar there is one redraw per
+    update glued together with carriage returns."""
     from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht
     from p2ptrain.swarm.progress import fetch_progress
 
     dht = start_dht(SwarmConfig(initial_peers=[bootstrap_maddr], host_maddrs=[LOOPBACK], reachability="client"))
-    bar = tqdm(total=total_steps, desc="swarm", unit="step", file=sys.stdout)
+    bar = tqdm(total=total_steps, desc="swarm", unit="step", file=sys.stdout, disable=not show_progress)
     best: dict = {}
+    last_line = time.monotonic()
     try:
         while not stop.is_set() and any(p.poll() is None for p in worker_procs):
             for record in fetch_progress(dht, run_id, timeout_s=5):
                 best[record.peer_id] = max(best.get(record.peer_id, (0, 0)), (record.local_step, record.outer_step))
             done = sum(local for local, _ in best.values())
+            outer = ",".join(str(o) for _, o in best.values())
             bar.update(max(0, min(done, total_steps) - bar.n))
-            bar.set_postfix(peers=len(best), outer=",".join(str(o) for _, o in best.values()))
+            bar.set_postfix(peers=len(best), outer=outer)
+            if not show_progress and time.monotonic() - last_line >= interval_s:
+                print(f"swarm: {min(done, total_steps)}/{total_steps} local steps, {len(best)} peer(s), "
+                      f"outer steps {outer or '-'}", flush=True)
+                last_line = time.monotonic()
             time.sleep(1.0)
         bar.update(total_steps - bar.n if all(p.returncode == 0 for p in worker_procs) else 0)
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -54,7 +55,8 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
             workers.append(spawn(
                 "join", "--initial-peers", entry, "--host-maddrs", LOOPBACK, "--run-id", "clitest",
                 "--local-steps", "10", "--num-shards", "2", "--target-group-size", "2",
-                "--no-group-policy", "wait", "--threads", "1", "--log-interval", "2", "--no-progress",
+                # no --progress/--no-progress: stderr is a log file, so the default must log lines, not draw bars
+                "--no-group-policy", "wait", "--threads", "1", "--log-interval", "2",
                 "--report", str(tmp_path / f"w{i}.json"), "--swarm-key", str(key), log=tmp_path / f"w{i}.log",
             ))
         # an outsider: same run and settings, no key
@@ -111,6 +113,11 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
             # every sync before the signal paired up; one in flight when both peers left may not have
             assert all(r["group_size"] == 2 for r in peer["rounds"][:synced_before_signal]), peer["rounds"]
         assert "Traceback" not in (tmp_path / "w0.log").read_text()
+        for i in range(2):
+            log = (tmp_path / f"w{i}.log").read_text()
+            assert "\r" not in log and "step/s]" not in log, f"a progress bar was drawn into w{i}.log:\n{log}"
+            progress_lines = re.findall(r"outer_step=\d+ local_step=\d+ loss=", log)
+            assert len(progress_lines) >= 2, f"no periodic progress lines in w{i}.log:\n{log}"
     finally:
         for w in workers:
             if w.poll() is None:
