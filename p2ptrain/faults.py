@@ -4,12 +4,14 @@ Killing a process from outside at the right moment is a race: with the tiny mode
 So the chaos tests tell the victim where to die, through one environment variable read at start-up::
 
     P2PTRAIN_FAULT=kill-mid-allreduce@<outer_step>[:<parts>]
+    P2PTRAIN_FAULT=kill-mid-allreduce@any[:<parts>]
     P2PTRAIN_FAULT=kill-mid-state-transfer[:<chunks>]
 
 The peer then dies (SIGKILL of its main process and every child: DHT, averager, p2pd, as when the host crashes):
 
 * ``kill-mid-allreduce``: while it reduces the round that starts from ``outer_step``, right after it has answered
-  ``parts`` (default 1) tensor parts to its senders: some senders hold its averages, the others never will;
+  ``parts`` (default 1) tensor parts to its senders: some senders hold its averages, the others never will
+  (``@any``: in the first round it reduces, whatever its outer step: a newcomer's, which starts where the swarm is);
 * ``kill-mid-state-transfer``: as a donor, right after it has served ``chunks`` (default 1) chunks of its state
   to newcomers, so a transfer has to resume from other donors.
 
@@ -27,7 +29,7 @@ import psutil
 
 ENV_VAR = "P2PTRAIN_FAULT"
 _PATTERNS = {
-    "allreduce": re.compile(r"kill-mid-allreduce@(?P<step>\d+)(?::(?P<count>\d+))?"),
+    "allreduce": re.compile(r"kill-mid-allreduce@(?P<step>\d+|any)(?::(?P<count>\d+))?"),
     "state": re.compile(r"kill-mid-state-transfer(?::(?P<count>\d+))?"),
 }
 
@@ -37,7 +39,7 @@ class Fault:
     kind: str
     """"allreduce" or "state" """
     outer_step: int = -1
-    """allreduce: the round (by the outer step its members start from) in which the peer dies"""
+    """allreduce: the round (by the outer step its members start from) in which the peer dies; -1: any round"""
     count: int = 1
     """allreduce: averaged parts this peer answers as a reducer before it dies; state: chunks it serves"""
 
@@ -51,10 +53,11 @@ def fault_from_env() -> Optional[Fault]:
         match = pattern.fullmatch(value)
         if match:
             fields = match.groupdict()
-            return Fault(kind, outer_step=int(fields.get("step") or -1), count=int(fields["count"] or 1))
+            step = fields.get("step") or "any"
+            return Fault(kind, outer_step=-1 if step == "any" else int(step), count=int(fields["count"] or 1))
     raise ValueError(
         f"{ENV_VAR}={value!r} is not understood; use kill-mid-allreduce@<outer_step>[:<parts>] or "
-        "kill-mid-state-transfer[:<chunks>], e.g. kill-mid-allreduce@2:1, or unset it"
+        "kill-mid-state-transfer[:<chunks>], e.g. kill-mid-allreduce@2:1 or kill-mid-allreduce@any, or unset it"
     )
 
 

@@ -78,6 +78,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.tensor_part_container.return_deltas = False
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.failed_reducers: set = set()
+        """reducers whose range did not come back (dead, timed out or refused): the host leaves them out of its
+        retry's expected group, so the survivors regroup at once instead of waiting for them"""
         # part_index -> the average of that part, serialized once and shared by every sender and by ourselves
         self._serialized_averages: Dict[int, asyncio.Future] = {}
         # senders whose stream of averages we are still answering (see wait_until_senders_served)
@@ -194,6 +197,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         except BaseException as e:
             if isinstance(e, Exception):
                 logger.debug(f"Caught {repr(e)} when communicating to {peer_id}", exc_info=True)
+            self.failed_reducers.add(peer_id)
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
 

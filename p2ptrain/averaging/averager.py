@@ -68,6 +68,9 @@ client-mode senders at once (no delayed results), and join requests carry the we
 SERVE_SENDERS_TIMEOUT_S = 15.0
 """how long a reducer that has its own result waits for the other senders to take their last averages"""
 
+MAX_FAILED_MEMBERS_BYTES = 4096
+"""room for the ids of the members that failed a round (about 80 of them)"""
+
 BAN_S = 600.0
 """how long a peer that sent a bad part or a bad average is kept out of this peer's groups"""
 
@@ -96,6 +99,11 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         # rounds in which a group formed but the all-reduce did not complete: the host retries those with the
         # survivors instead of applying its own pseudo-gradient, so no survivor applies a half-averaged result
         self._incomplete_rounds = mp.Value(ctypes.c_int64, 0)
+        # the host sets these before each step (set_round_plan); the averager process reads them when the step starts
+        self._round_target = mp.Value(ctypes.c_int64, 0)  # 0: no target, wait out the window
+        self._round_window_s = mp.Value(ctypes.c_double, self.matchmaking_kwargs["min_matchmaking_time"])
+        # base58 ids of the members that failed the last incomplete round, comma-separated (host reads them)
+        self._failed_members = mp.Array(ctypes.c_char, MAX_FAILED_MEMBERS_BYTES)
         self._init_state_transfer()
 
     @property
@@ -111,6 +119,19 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
     @property
     def incomplete_rounds(self) -> int:
         return int(self._incomplete_rounds.value)
+
+    @property
+    def last_failed_members(self) -> set:
+        """Peer ids (base58) of the members whose range failed in the last incomplete round."""
+        raw = self._failed_members.value.decode("ascii", "replace")
+        return {peer for peer in raw.split(",") if peer}
+
+    def set_round_plan(self, target_group_size: Optional[int], window_s: float) -> None:
+        """For the next ``step``: start the group as soon as it has ``target_group_size`` members (None: only when
+        the window ends), and look for peers for ``window_s`` seconds. hivemind fixes both when the averager is
+        built; p2ptrain sets them per round from the swarm's progress records (DiLoCoOptimizer._plan_round)."""
+        self._round_target.value = target_group_size or 0
+        self._round_window_s.value = window_s
 
     state_provider = None
     """A callable returning (metadata, tensors, infos) that newcomers download; set by DiLoCoOptimizer."""
@@ -204,6 +225,11 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
 
     async def _step(self, **kwargs):
         matchmaking = self._matchmaking
+        # this round's plan (set_round_plan): the leader of a group starts it once it holds target members, and a
+        # peer's declaration as a potential leader lasts the window. Both are read once per step, before matchmaking
+        matchmaking.target_group_size = self._round_target.value or None
+        matchmaking.min_matchmaking_time = matchmaking.potential_leaders.min_matchmaking_time = \
+            self._round_window_s.value
         if not getattr(matchmaking, "p2ptrain_guarded", False):
             # never ask a peer we refuse to lead our group (hivemind's matchmaking has no hook for it)
             request_join_group = matchmaking._request_join_group
@@ -234,7 +260,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
             }
             modes = tuple(map(AveragingMode, mode_ids))
             mine = gathered.get(self.peer_id.to_base58(), {})
-            if self._fault and self._fault.kind == "allreduce" and mine.get("outer_step") == self._fault.outer_step:
+            if self._fault and self._fault.kind == "allreduce" and self._fault.outer_step in (-1, mine.get("outer_step")):
                 kwargs["die_after_parts"] = self._fault.count
             download_bandwidths = [
                 bandwidth if mode != AveragingMode.CLIENT else 0.0 for bandwidth, mode in zip(bandwidths, modes)
@@ -289,6 +315,8 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
             if failed_size:
                 # a reducer died or timed out: its range holds our own values, which differ from peer to peer.
                 # Applying that would split the survivors; fail the round so that they run it again together.
+                failed = ",".join(peer.to_base58() for peer in runner.failed_reducers)
+                self._failed_members.value = failed.encode("ascii")[: MAX_FAILED_MEMBERS_BYTES - 1]
                 raise IncompleteRoundError(
                     f"{failed_size} of {runner.tensor_part_container.total_size} values were not averaged "
                     "(a group member failed mid-round); nothing applied"
