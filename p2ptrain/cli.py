@@ -46,18 +46,70 @@ class _TqdmHandler(logging.Handler):
             self.handleError(record)
 
 
+class _OneLineFromLibraries(logging.Filter):
+    """Without -v, a record of hivemind (its host, DHT and averager processes, p2pd's output it relays) or asyncio
+    is one line: the exception's type and last line in place of the traceback, and an ERROR becomes a warning.
+    p2ptrain handles every failure these report (a round without a group, a peer that vanished mid-round, a stream
+    that broke) and logs what it did about it; -v shows them in full."""
+
+    LIBRARIES = ("hivemind", "asyncio")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(self.LIBRARIES):
+            return True
+        message = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            lines = str(error).strip().splitlines()
+            summary = f"{type(error).__name__}: {lines[-1]}" if lines else type(error).__name__
+            message = message if lines and lines[-1] in message else f"{message} ({summary})"
+        record.msg, record.args = " | ".join(line for line in message.splitlines() if line.strip()), None
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        if record.levelno >= logging.ERROR:
+            record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+        return True
+
+
+_HANDLER: Optional[logging.Handler] = None
+_VERBOSE = False
+
+
 def setup_logging(verbose: bool) -> None:
+    global _HANDLER, _VERBOSE
     handler = _TqdmHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    if not verbose:
+        handler.addFilter(_OneLineFromLibraries())
+    _HANDLER, _VERBOSE = handler, verbose
     root = logging.getLogger("p2ptrain")
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
     root.propagate = False
+    # asyncio reports a task nobody awaited (in hivemind's processes too) through the root logger's last resort,
+    # traceback and all: through our handler instead, one line without -v
+    asyncio_logger = logging.getLogger("asyncio")
+    asyncio_logger.handlers[:] = [handler]
+    asyncio_logger.propagate = False
     if not verbose:
         logging.getLogger("hivemind").setLevel(logging.WARNING)
         # hivemind logs every round without a group as an ERROR with a traceback; DiLoCoOptimizer reports the
         # outcome of every round itself (a warning naming the policy), so only -v shows hivemind's version
         logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
+
+
+def setup_hivemind_logging() -> None:
+    """Send hivemind's log records through our handler (one format, one line each without -v). Call after hivemind
+    is imported (the commands that use it import it late, to keep --help fast): importing it installs its own
+    handler and level, which this replaces. Processes forked later (the DHT, the averager) inherit the setting."""
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    if _HANDLER is None:
+        return
+    use_hivemind_log_handler("nowhere")  # removes hivemind's handler
+    hivemind_logger = logging.getLogger("hivemind")
+    hivemind_logger.handlers[:] = [_HANDLER]
+    hivemind_logger.propagate = False
+    hivemind_logger.setLevel(logging.DEBUG if _VERBOSE else logging.WARNING)
 
 
 def install_stop_handlers(on_first: Callable[[], None]) -> None:
@@ -272,6 +324,8 @@ def bootstrap(ctx: click.Context, maddrs_file: Optional[str], config_path: Optio
     from p2ptrain.peer import run_bootstrap
     from p2ptrain.swarm.dht import SwarmError
 
+    setup_hivemind_logging()
+
     config = load_run_config(ctx, config_path, params)
     stop = threading.Event()
     install_stop_handlers(stop.set)
@@ -306,6 +360,8 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
     from p2ptrain.peer import Worker
     from p2ptrain.swarm.dht import SwarmError
     from p2ptrain.swarm.progress import RunMismatch
+
+    setup_hivemind_logging()
 
     config = load_run_config(ctx, config_path, params)
     if nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
@@ -375,6 +431,8 @@ def status(ctx: click.Context, as_json: bool, **params) -> None:
     from p2ptrain.swarm.dht import SwarmError, start_dht, stop_dht
     from p2ptrain.swarm.progress import fetch_progress
 
+    setup_hivemind_logging()
+
     config = load_run_config(ctx, None, params)
     if not config.swarm.initial_peers and not config.swarm.initial_peers_file:
         raise BadInput("status needs --initial-peers (or --initial-peers-file): the multiaddr of any live peer of "
@@ -393,7 +451,10 @@ def status(ctx: click.Context, as_json: bool, **params) -> None:
     peers = [
         dict(peer_id=r.peer_id, outer_step=r.outer_step, local_step=r.local_step,
              samples_per_s=round(r.samples_per_s, 2), last_seen=round(r.timestamp, 3),
-             mode="client" if r.client_mode else "public", reachability=r.reachability)
+             mode="client" if r.client_mode else "public", reachability=r.reachability,
+             # what the run agrees on, and each worker's own settings (which may differ between workers)
+             model=r.model, num_parameters=r.num_parameters, local_steps=r.local_steps, compression=r.compression,
+             data=r.data, batch_size=r.batch_size, threads=r.threads)
         for r in records
     ]
     public = sum(p["mode"] == "public" for p in peers)
@@ -411,6 +472,11 @@ def status(ctx: click.Context, as_json: bool, **params) -> None:
         for p in peers:
             if p["reachability"]:
                 click.echo(f"  {p['peer_id'][-8:]} {p['reachability']}")
+        for p in peers:
+            if p["num_parameters"]:
+                click.echo(f"  {p['peer_id'][-8:]} model {p['model'] or '(unnamed)'} ({p['num_parameters']:,} "
+                           f"parameters), H={p['local_steps']}, {p['compression']}; batch size {p['batch_size']}, "
+                           f"{p['threads']} thread(s), data: {p['data'] or '-'}")
     if peers and not public:
         click.echo("no peer can lead a group: every peer is behind NAT; rounds cannot form until a worker with a "
                    "public address (or a forwarded port) joins")

@@ -34,7 +34,7 @@ from p2ptrain.averaging.averager import PROTOCOL_VERSION
 from p2ptrain.averaging.compression import COMPRESSIONS, ERROR_FEEDBACK_BY_DEFAULT, wire_residual_
 from p2ptrain.averaging.state_transfer import flatten_state, unflatten_state
 from p2ptrain.finite import all_finite
-from p2ptrain.swarm.progress import ProgressPublisher, check_run_settings, fetch_progress
+from p2ptrain.swarm.progress import ProgressPublisher, RunMismatch, check_run_settings, fetch_progress
 
 logger = logging.getLogger(__name__)
 
@@ -242,8 +242,14 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                            "that also use a plain hivemind.DHT")
         # a peer with another model or settings would never group with the run's peers (the schema hash differs)
         # and would wait, or train alone, in silence: refuse it now, naming the difference
-        settings = self.run_settings()
-        check_run_settings(settings, fetch_progress(dht, run_id, timeout_s=5.0), run_id)
+        # (with what the caller knows beyond the tensors: a Worker sets the model's name, shape and seed in progress)
+        settings = {**(progress.settings if progress is not None else {}), **self.run_settings()}
+        try:
+            check_run_settings(settings, fetch_progress(dht, run_id, timeout_s=5.0), run_id)
+        except RunMismatch:
+            if progress is not None:  # a shard claim published it: leave the listing (and the rounds) at once
+                progress.withdraw()
+            raise
         try:
             self.averager.start_in_background(timeout_s=averager_start_timeout_s)
         except Exception as e:
@@ -572,7 +578,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def run_settings(self) -> dict:
         """What every peer of the run must agree on (swarm/progress.SETTINGS), as this peer has it."""
         schema = hashlib.sha256(repr([(tuple(g.shape), str(g.dtype)) for g in self.global_params]).encode())
-        return dict(params_schema=schema.hexdigest()[:16], local_steps=self.local_steps,
+        return dict(params_schema=schema.hexdigest()[:16], num_parameters=sum(g.numel() for g in self.global_params),
+                    num_tensors=len(self.global_params), local_steps=self.local_steps,
                     compression=self.averager.compression_name, protocol=PROTOCOL_VERSION)
 
     def _explain_no_group(self) -> None:

@@ -295,6 +295,14 @@ class Worker:
         self._write_report()
         logger.info(f"[{peer_id}] effective config: {json.dumps(cfg.to_dict(), sort_keys=True)}")
         publisher = ProgressPublisher(dht, cfg.run_id)
+        # the model in words (a refused newcomer is told what differs) and this worker's own settings (status)
+        shape = model_config(cfg.train.model)
+        publisher.settings = dict(
+            model=cfg.train.model, n_layer=shape.n_layer, n_embd=shape.n_embd, n_head=shape.n_head,
+            block_size=shape.block_size, vocab_size=shape.vocab_size, seed=cfg.train.seed,
+            data=", ".join(cfg.train.data)[:200] if cfg.train.data else "built-in corpus",
+            batch_size=cfg.train.batch_size, threads=torch.get_num_threads(),
+        )
         if resumed is not None:
             publisher.shard_index = resumed["shard_index"]  # keep training on the same data
         elif cfg.train.shard_index is not None:

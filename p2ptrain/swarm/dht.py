@@ -15,6 +15,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from p2ptrain.config import SwarmConfig  # noqa: F401 (it lived here; importers may still use this path)
 from p2ptrain.lifeline import follow_parent, leave_process_group
+from p2ptrain.swarm.admission import SwarmRefused, check_admission, serve_admission
 from p2ptrain.swarm.reachability import MODES, Reachability, SwarmUnreachable, decide, serve_probes
 from p2ptrain.security import (KeyFileError, PeerSignatureValidator, SwarmAuth, SwarmKeyValidator,
                                limit_stream_messages, load_identity, load_swarm_key)
@@ -156,6 +157,13 @@ def start_dht(config: SwarmConfig) -> hivemind.DHT:
         raise SwarmError(f"could not start the DHT ({reason}); check --host-maddrs and --identity") from None
     if not reachability.client_mode:
         dht.run_coroutine(serve_probes)  # tell joining peers whether they can be dialled
+    serve_admission(dht, auth)  # tell joining peers whether they hold this swarm's key
+    try:  # and ask ours: a swarm that ignores every record of ours would leave this peer training alone
+        check_admission(dht, auth, initial_peers, f"--swarm-key {config.swarm_key_file}",
+                        timeout_s=config.bootstrap_timeout_s)
+    except SwarmRefused as e:
+        stop_dht(dht)
+        raise SwarmError(str(e)) from None
     return dht
 
 

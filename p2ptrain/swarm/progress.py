@@ -34,21 +34,95 @@ class RunMismatch(ValueError):
     """This peer's model or settings differ from the run's live peers'; the message names each difference."""
 
 
-SETTINGS = ("params_schema", "local_steps", "compression", "protocol")
+MODEL_FIELDS = ("model", "n_layer", "n_embd", "n_head", "block_size", "vocab_size", "num_parameters", "num_tensors",
+                "params_schema")
+"""the PeerProgress fields that describe the model; ``params_schema`` (a digest of the tensors' shapes and dtypes)
+is what decides, the others put the difference in words"""
+RUN_FIELDS = ("local_steps", "compression", "seed", "protocol")
+SETTINGS = MODEL_FIELDS + RUN_FIELDS
 """the PeerProgress fields every peer of a run must agree on"""
+WORKER_FIELDS = ("data", "batch_size", "threads")
+"""settings a worker publishes that may differ between the peers of a run: shown by status, never compared"""
+
+_RUN_FIELD_WORDS = {"local_steps": "H (local_steps)", "compression": "codec (compression)", "seed": "seed",
+                    "protocol": "protocol version"}
+
+
+def _known(value) -> bool:
+    return value is not None and value != "" and value != 0
+
+
+def _record_settings(record: PeerProgress) -> dict:
+    values = {name: getattr(record, name) for name in SETTINGS}
+    if not record.HasField("seed"):
+        values["seed"] = None
+    return values
+
+
+def _count(n: int) -> str:
+    """A parameter count in a few digits: 80, 9,600, 0.438M, 25.5M, 1.2B."""
+    if n >= 10 ** 9:
+        return f"{n / 10 ** 9:.3g}B"
+    if n >= 10 ** 5:
+        return f"{n / 10 ** 6:.3g}M"
+    return f"{n:,}"
+
+
+def _describe_model(values: dict, other: dict) -> str:
+    """``values``' model in words, with the details that differ from ``other``'s (and the ones that always help)."""
+    def differs(name: str) -> bool:
+        return _known(values.get(name)) and _known(other.get(name)) and values[name] != other[name]
+
+    details = []
+    for name, words in (("n_layer", "{} layers"), ("n_embd", "{} wide"), ("n_head", "{} heads"),
+                        ("block_size", "block size {}"), ("vocab_size", "vocab {}")):
+        # layers and width always tell the sizes apart; the rest only where they differ
+        if _known(values.get(name)) and (name in ("n_layer", "n_embd") or differs(name)):
+            details.append(words.format(values[name]))
+    if _known(values.get("num_parameters")):
+        details.append(f"{_count(values['num_parameters'])} parameters")
+    if _known(values.get("num_tensors")) and not (_known(values.get("model")) and _known(other.get("model"))):
+        details.append(f"{values['num_tensors']} tensors")
+    if not details and _known(values.get("params_schema")):  # a peer of an earlier version: only the digest
+        details.append(f"tensor schema {values['params_schema']}")
+    name = repr(values["model"]) if _known(values.get("model")) else "without a built-in name"
+    return f"{name} ({', '.join(details)})" if details else name
+
+
+def _model_differences(mine: dict, theirs: dict) -> bool:
+    if mine.get("params_schema") != theirs.get("params_schema"):
+        return True
+    return any(_known(mine.get(n)) and _known(theirs.get(n)) and mine[n] != theirs[n] for n in MODEL_FIELDS)
 
 
 def check_run_settings(mine: dict, records: List[PeerProgress], run_id: str) -> None:
-    """Raise RunMismatch if ``mine`` (SETTINGS -> value) differs from what most live peers publish."""
-    others = [r for r in records if r.params_schema]  # records of peers before protocol 3 carry no settings
+    """Raise RunMismatch if ``mine`` (SETTINGS -> value; a value may be missing or None where this peer does not
+    know it) differs from what most live peers publish. The message names each difference in words, with the value
+    on each side, in one line."""
+    others = [_record_settings(r) for r in records if r.params_schema]  # peers before protocol 3 publish none
     if not others:
         return
+
+    def on(count: int) -> str:
+        return f"on {count} of {len(others)} live peer{'' if len(others) == 1 else 's'}"
+
     differences = []
-    for name in SETTINGS:
-        values = Counter(getattr(r, name) for r in others)
-        theirs, count = values.most_common(1)[0]
-        if theirs != mine[name]:
-            differences.append(f"{name} {mine[name]!r} here, {theirs!r} on {count} of {len(others)} live peer(s)")
+    models = Counter(tuple(o[n] for n in MODEL_FIELDS) for o in others)
+    theirs_tuple, count = models.most_common(1)[0]
+    theirs = dict(zip(MODEL_FIELDS, theirs_tuple))
+    if _model_differences(mine, theirs):
+        here, there = _describe_model(mine, theirs), _describe_model(theirs, mine)
+        if here == there:  # the same in every field we can name: the tensors' shapes or dtypes differ
+            here += f", tensor shapes or dtypes {mine.get('params_schema')}"
+            there += f", tensor shapes or dtypes {theirs.get('params_schema')}"
+        differences.append(f"model {here} here, {there} {on(count)}")
+    for name in RUN_FIELDS:
+        values = Counter(o[name] for o in others if o[name] is not None)
+        if not values or mine.get(name) is None:
+            continue  # a peer that does not know its seed (a library user) is not compared on it
+        value, count = values.most_common(1)[0]
+        if value != mine[name]:
+            differences.append(f"{_RUN_FIELD_WORDS[name]} {mine[name]!r} here, {value!r} {on(count)}")
     if differences:
         raise RunMismatch(f"this peer does not match run {run_id!r}: {'; '.join(differences)}; start it with the "
                           "run's model and settings, or under another --run-id")
@@ -68,7 +142,8 @@ class ProgressPublisher:
         self.reachability = ""
         """how this peer chose public or client mode (swarm/reachability.py), published for status"""
         self.settings: dict = {}
-        """SETTINGS -> this peer's value, published with every record (set by DiLoCoOptimizer)"""
+        """SETTINGS and WORKER_FIELDS -> this peer's value, published with every record (the Worker sets the
+        model's description and its own settings, DiLoCoOptimizer adds the rest)"""
 
     def due(self) -> bool:
         return time.monotonic() - self._last_published >= self.period_s

@@ -352,8 +352,11 @@ def test_a_peer_with_another_model_or_settings_is_refused_at_join():
             make(other_model.parameters(), dht=second, local_steps=LOCAL_STEPS + 2, compression="int8")
         message = str(refused.value)
         assert "run 'settings'" in message and "\n" not in message
-        assert f"local_steps {LOCAL_STEPS + 2} here, {LOCAL_STEPS} on 1 of 1 live peer(s)" in message
-        assert "compression 'int8' here, 'fp16'" in message and "params_schema" in message
+        assert f"H (local_steps) {LOCAL_STEPS + 2} here, {LOCAL_STEPS} on 1 of 1 live peer;" in message
+        assert "codec (compression) 'int8' here, 'fp16'" in message
+        # a library user's optimizer knows no model name: its tensors describe it
+        assert ("model without a built-in name (85 parameters, 2 tensors) here, without a built-in name (676 "
+                "parameters, 4 tensors) on 1 of 1 live peer") in message
         # the same model and settings are welcome
         make(make_model().parameters(), dht=second, local_steps=LOCAL_STEPS, compression="fp16").close()
     finally:
