@@ -22,12 +22,13 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 from hivemind import DHT
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
+from hivemind.utils import get_dht_time
 
 from p2ptrain.averaging import PseudoGradientAverager, RoundResult
 from p2ptrain.averaging.averager import PROTOCOL_VERSION
@@ -41,6 +42,24 @@ logger = logging.getLogger(__name__)
 NO_GROUP_POLICIES = ("apply_local", "wait")
 _BEHIND = object()  # _average's answer when the swarm is at a later outer step than this peer
 MAX_INCOMPLETE_RETRIES = 2  # re-runs of a round that a member's failure left incomplete, under any policy
+LATE_PEER_STALL_S = 30.0
+"""a live peer of this outer step whose local step has not moved for this long is not waited for (it is stuck,
+or still starting up: it catches up from the swarm's state when it gets to its sync)"""
+MAX_UNJOINABLE_ATTEMPTS = 3
+"""attempts in a row in which peers announced themselves ready but no group formed (they refuse us, or we them),
+after which the no-group policy applies"""
+
+
+@dataclass
+class RoundOutlook:
+    """What the run's progress records say about the round this peer is about to average, read just before it."""
+
+    ahead: bool
+    """a live peer holds a later outer step: this round went on without us"""
+    ready: List[str]
+    """the other live peers at this outer step that reached the sync point (they are averaging or about to)"""
+    late: Dict[str, int]
+    """the other live peers at this outer step still in their inner steps: peer id -> local step"""
 
 
 @dataclass
@@ -117,8 +136,13 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
       parameters) and add it to the next one, so that nothing is lost for good. None (default): on for "int8" only.
       The residual is dropped when the peer takes the swarm's state or its round is not averaged, and it is in
       neither checkpoints (``state_dict``) nor the state newcomers download
-    :param matchmaking_time_s: how long a peer looks for others before the round; raise it if peers that are
-      plainly alive end up in separate groups (slow links, large swarms)
+    :param matchmaking_time_s: how long a round looks for peers beyond those the progress records announce; a
+      round whose announced peers are all in starts at once. Raise it if peers that are plainly alive end up in
+      separate groups (slow links, large swarms)
+    :param late_peer_wait_s: how long a round waits for live peers of this outer step that have not reached the
+      sync point yet, once another peer is ready to average (None: a quarter of this peer's last inner phase, at
+      least ``matchmaking_time_s``). A peer alone at the sync point waits for the others as long as they make
+      progress: a solo outer step would make all of their inner steps worthless
     :param averaging_timeout_s: how long the all-reduce itself may take once a group formed; raise it for large
       models on slow links ("all-reduce timed out" in the log)
     :param min_group_size: a round needs at least this many peers
@@ -130,6 +154,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     :param averager_start_timeout_s: how long the averager process may take to start
     :param progress_period_s: how often the peer's progress record in the DHT is refreshed between syncs
     :param progress: publish progress through this publisher (e.g. one that already carries a shard claim)
+    :param catch_up_mid_phase: when the live peers' records show the swarm at a later outer step (this peer was
+      left out of a round: paused, or later than ``late_peer_wait_s``), take the swarm's state at the next inner
+      step instead of finishing an inner phase whose pseudo-gradient nobody will average. Off for a peer of
+      several ranks, whose ranks catch up together at a sync (``hsdp.ShardedDiLoCo``)
     :param max_norm_ratio: a peer's part of the all-reduce (or a reducer's average) whose norm exceeds this many
       times this peer's own values over the same range is refused and the peer excluded for a while; None: no bound
     """
@@ -146,6 +174,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         compression: str = "fp16",
         error_feedback: Optional[bool] = None,
         matchmaking_time_s: float = 5.0,
+        late_peer_wait_s: Optional[float] = None,
         averaging_timeout_s: float = 60.0,
         min_group_size: int = 2,
         target_group_size: Optional[int] = None,
@@ -156,6 +185,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         progress_period_s: float = 5.0,
         progress: Optional[ProgressPublisher] = None,
         max_norm_ratio: Optional[float] = 10.0,
+        catch_up_mid_phase: bool = True,
     ):
         if local_steps < 1:
             raise ValueError(f"local_steps must be at least 1, got {local_steps}")
@@ -163,6 +193,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             raise ValueError(f"no_group_policy must be one of {NO_GROUP_POLICIES}, got {no_group_policy!r}")
         if matchmaking_time_s <= 0 or averaging_timeout_s <= 0:
             raise ValueError("matchmaking_time_s and averaging_timeout_s must be positive")
+        if late_peer_wait_s is not None and late_peer_wait_s < 0:
+            raise ValueError(f"late_peer_wait_s must be at least 0, got {late_peer_wait_s}")
         if min_group_size < 1:
             raise ValueError(f"min_group_size must be at least 1, got {min_group_size}")
         if compression not in COMPRESSIONS:
@@ -186,6 +218,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.dht, self.run_id = dht, run_id
         self.local_steps = local_steps
         self.matchmaking_time_s, self.averaging_timeout_s = matchmaking_time_s, averaging_timeout_s
+        self.late_peer_wait_s = late_peer_wait_s
+        self.target_group_size = target_group_size
+        self._phase_started = time.monotonic()  # when this peer's current inner phase began (late_peer_wait_s)
         self.no_group_policy = no_group_policy
         self.batch_size = batch_size
         self.local_step = 0
@@ -269,7 +304,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._throughput_since = time.monotonic()
         self._throughput_samples = 0
         self.samples_per_s = 0.0
+        self.catch_up_mid_phase = catch_up_mid_phase
+        self._no_donor_at_outer_step = -1  # a mid-phase catch-up found no donor at this outer step: wait for the sync
+        self.progress.watch_swarm = catch_up_mid_phase
         self._publish_progress(force=True)
+        self.progress.start_heartbeat()
 
     # ------------------------------------------------------------------------------------------ the optimizer API
 
@@ -285,9 +324,28 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._throughput_samples += samples
         if self.local_step % self.local_steps == 0:
             self.sync()
+        elif (self.catch_up_mid_phase and self.progress.swarm_outer_step > self.outer_step
+              and self._no_donor_at_outer_step != self.outer_step):
+            self._catch_up_mid_phase()
         else:
             self._publish_progress()
         return loss
+
+    def _catch_up_mid_phase(self) -> None:
+        """The swarm went on without us: every inner step until our sync point would be thrown away there, so
+        take the state now (a sync that averages nothing: the rest of the phase is in step with the swarm)."""
+        with self._sync_lock:
+            started = time.perf_counter()
+            swarm_outer_step = self.swarm_outer_step()
+            if swarm_outer_step <= self.outer_step:
+                self.progress.swarm_outer_step = swarm_outer_step  # a stale look: nothing to do
+                return
+            logger.warning(f"{self._tag()} the swarm is at outer step {swarm_outer_step}: discarding this peer's "
+                           f"{self._steps_since_sync} inner step(s) since its last sync now rather than at its sync "
+                           "point, and taking the state from live peers")
+            self._update_throughput()
+            if self._catch_up_and_join(started, attempts=0) is None:
+                self._no_donor_at_outer_step = self.outer_step  # no donor answered: try again at the sync point
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
@@ -333,6 +391,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def _sync(self) -> SyncRecord:
         started = time.perf_counter()
         self._update_throughput()
+        # tell the others we are at the sync point now, not at the next periodic refresh: a round waits for the
+        # live peers that have not got there yet (_plan_round), and would wait for us too
+        self._publish_progress(force=True)
         if self.swarm_outer_step() > self.outer_step:
             # behind already (paused, or a round went on without us): matchmaking at this outer step is doomed
             logger.warning(f"{self._tag()} the swarm has moved past outer step {self.outer_step}; discarding this "
@@ -381,11 +442,14 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             # a checkpoint, with the global ones), so a resumed peer takes this round up again.
             logger.warning(f"{self._tag()} leaving: abandoning this round without an outer step")
             return self._record(started, None, attempts, abandoned=True)
-        if result is None:  # the buffers still hold our own pseudo-gradient: a failed round never writes them
+        if result is None and attempts == 0:  # alone in the swarm: nobody to wait for
+            logger.info(f"{self._tag()} applying this peer's own pseudo-gradient: no other live peer of run "
+                        f"{self.run_id!r} is at this outer step")
+        elif result is None:  # the buffers still hold our own pseudo-gradient: a failed round never writes them
             self._explain_no_group()
             logger.warning(
-                f"{self._tag()} no group formed within {self.matchmaking_time_s:.1f}s; "
-                "applying this peer's own pseudo-gradient (no_group_policy=apply_local)"
+                f"{self._tag()} no group formed after {attempts} attempt(s); applying this peer's own "
+                "pseudo-gradient (no_group_policy=apply_local)"
             )
         return self._apply(started, result, attempts)
 
@@ -466,6 +530,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             allreduce_s=result.allreduce_s if result else 0.0,
         )
         self.history.append(record)
+        self._phase_started = time.monotonic()
         if not abandoned:  # an abandoned round's samples are still in the model, to be synced later
             self.samples_since_sync = 0
             self._steps_since_sync = 0
@@ -481,63 +546,135 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         return record
 
     def _average(self, weight: float, single_attempt: bool = False) -> tuple[Optional[RoundResult], int]:
-        """Run averaging rounds under the no-group policy; None if this peer must go on alone."""
-        attempts, incomplete_retries = 0, 0
+        """Run averaging attempts until a group averages, or this peer must go on without one (None).
+
+        Each attempt is planned from the progress records (``_plan_round``): its group starts as soon as every live
+        peer of this outer step is in, and waits a bounded time for those still in their inner steps. Under
+        "apply_local", a peer goes on alone only when no other live peer is at its outer step: a solo outer step
+        next to such a peer would throw all of that peer's inner steps away (it would have to take our state).
+        Under "wait" it never goes on alone."""
+        attempts, incomplete_retries, unjoinable = 0, 0, 0
+        excluded: set = set()  # members that failed a round of this sync: not waited for again
+        late_deadline = time.monotonic() + self._late_peer_wait_s()
+        last_moved: Dict[str, tuple] = {}  # late peer -> (its local step, when we first saw it there)
         while not self._interrupted.is_set():
+            outlook = self.round_outlook(excluded)
+            if outlook.ahead:
+                return _BEHIND, attempts
+            now = time.monotonic()
+            for peer, local_step in outlook.late.items():
+                if last_moved.get(peer, (None,))[0] != local_step:
+                    last_moved[peer] = (local_step, now)
+            late = [peer for peer in outlook.late if now - last_moved[peer][1] < LATE_PEER_STALL_S]
+            if not outlook.ready and not late and not single_attempt and self.no_group_policy == "apply_local":
+                if attempts == 0:
+                    logger.info(f"{self._tag()} no other live peer is at outer step {self.outer_step}: not "
+                                "looking for a group")
+                break
             attempts += 1
-            incomplete_before = self.averager.incomplete_rounds
             if not self.averager.is_alive():
                 logger.error(f"{self._tag()} the averager process is gone; this peer can no longer average")
                 break
-            try:
-                # peers only group with peers at the same outer step: a peer that fell behind finds nobody and
-                # catches up from live peers instead of averaging a pseudo-gradient computed from stale parameters
-                self.averager.set_group_bits(format(self.outer_step % 256, "08b"))
-                # the leader waits matchmaking_time_s for followers; allow a request timeout on top
-                matchmaking_timeout_s = self.matchmaking_time_s + self._request_timeout_s + 1.0
-                control = self.averager.step(
-                    weight=weight,
-                    # the digest of the global parameters this round starts from: every member must have the same
-                    gather={"outer_step": self.outer_step, "samples": self.samples_since_sync,
-                            "digest": self._digest,
-                            # a pseudo-gradient of fewer inner steps than H (a newcomer's first, after it took
-                            # the state mid-phase) is smaller than the others': widen its norm check in proportion
-                            "norm_scale": self.local_steps / max(1, min(self._steps_since_sync, self.local_steps))},
-                    timeout=matchmaking_timeout_s,
-                    allow_retries=True,
-                    wait=False,
-                )
-                # bounded even if the averager process dies mid-round: then this raises TimeoutError
-                result = control.result(timeout=matchmaking_timeout_s + self.averaging_timeout_s + 10.0)
-                if isinstance(result, RoundResult):
-                    return result, attempts
-            except (AllreduceException, MatchmakingException, TimeoutError, RuntimeError) as e:
-                logger.debug(f"{self._tag()} averaging attempt {attempts} failed: {e!r}")
-            except Exception as e:  # a network failure is a value: log it, never let it kill training
-                logger.warning(f"{self._tag()} averaging attempt {attempts} failed unexpectedly: {e!r}")
+            target, window_s = self._plan_round(outlook.ready, late, late_deadline - now)
+            incomplete_before = self.averager.incomplete_rounds
+            result = self._attempt(weight, target, window_s, attempts)
+            if result is not None:
+                return result, attempts
             if single_attempt:
                 break
             incomplete = self.averager.incomplete_rounds != incomplete_before
             if incomplete:
                 # a member died mid-round: nothing was applied here. Members that got every part may have committed
                 # the round; give them a moment to say so (then we take their state), else run it again with the
-                # survivors. Never fall back to our own pseudo-gradient here: the survivors would each apply a
-                # different one.
+                # survivors, without waiting for the members whose range failed. Never fall back to our own
+                # pseudo-gradient here: the survivors would each apply a different one.
+                excluded |= self.averager.last_failed_members
                 time.sleep(1.0)
-            if self.swarm_outer_step() > self.outer_step:
-                return _BEHIND, attempts
-            if incomplete and incomplete_retries < MAX_INCOMPLETE_RETRIES:
-                incomplete_retries += 1
-                logger.warning(f"{self._tag()} a group member failed mid-round; running the round again with the "
-                               f"survivors (retry {incomplete_retries}/{MAX_INCOMPLETE_RETRIES})")
-                continue
+                if self.swarm_outer_step() > self.outer_step:
+                    return _BEHIND, attempts
+                if incomplete_retries < MAX_INCOMPLETE_RETRIES:
+                    incomplete_retries += 1
+                    logger.warning(f"{self._tag()} a group member failed mid-round; running the round again with "
+                                   f"the survivors (retry {incomplete_retries}/{MAX_INCOMPLETE_RETRIES})")
+                    continue
+            unjoinable = unjoinable + 1 if outlook.ready else 0
             if self.no_group_policy == "apply_local":
+                if late and unjoinable == 0:
+                    continue  # the others are still training and making progress: wait for them
+                if outlook.ready and unjoinable < MAX_UNJOINABLE_ATTEMPTS:
+                    continue
                 break
             self._explain_no_group()
             logger.warning(
                 f"{self._tag()} no group formed (attempt {attempts}); waiting for peers (no_group_policy=wait)"
             )
         return None, attempts
+
+    def _late_peer_wait_s(self) -> float:
+        if self.late_peer_wait_s is not None:
+            return self.late_peer_wait_s
+        return max(self.matchmaking_time_s, 0.25 * (time.monotonic() - self._phase_started))
+
+    def _plan_round(self, ready: List[str], late: List[str], late_left_s: float) -> tuple[Optional[int], float]:
+        """(target group size, matchmaking window) for one attempt. The group starts the moment it holds every
+        live peer we expect; the window bounds the wait for the ones that are late."""
+        if late and (late_left_s > 0 or not ready):
+            # wait for the late ones too: until the bound while others are ready, else in windows, re-planned
+            target, window_s = 1 + len(ready) + len(late), max(self.matchmaking_time_s, late_left_s)
+        else:
+            target, window_s = (1 + len(ready) if ready else None), self.matchmaking_time_s
+        if self.target_group_size is not None and target is not None:
+            target = min(target, self.target_group_size)
+        return (target if target is not None else self.target_group_size), window_s
+
+    def _attempt(self, weight: float, target: Optional[int], window_s: float, attempt: int) -> Optional[RoundResult]:
+        """One matchmaking + all-reduce attempt; None if it formed no group or failed (logged at debug level: the
+        caller decides what a failure means)."""
+        try:
+            # peers only group with peers at the same outer step: a peer that fell behind finds nobody and
+            # catches up from live peers instead of averaging a pseudo-gradient computed from stale parameters
+            self.averager.set_group_bits(format(self.outer_step % 256, "08b"))
+            self.averager.set_round_plan(target, window_s)
+            # the leader waits window_s for followers; allow a request timeout on top
+            matchmaking_timeout_s = window_s + self._request_timeout_s + 1.0
+            control = self.averager.step(
+                weight=weight,
+                # the digest of the global parameters this round starts from: every member must have the same
+                gather={"outer_step": self.outer_step, "samples": self.samples_since_sync,
+                        "digest": self._digest,
+                        # a pseudo-gradient of fewer inner steps than H (a newcomer's first, after it took
+                        # the state mid-phase) is smaller than the others': widen its norm check in proportion
+                        "norm_scale": self.local_steps / max(1, min(self._steps_since_sync, self.local_steps))},
+                scheduled_time=get_dht_time() + window_s,
+                timeout=matchmaking_timeout_s,
+                allow_retries=True,
+                wait=False,
+            )
+            # bounded even if the averager process dies mid-round: then this raises TimeoutError
+            result = control.result(timeout=matchmaking_timeout_s + self.averaging_timeout_s + 10.0)
+            if isinstance(result, RoundResult):
+                return result
+        except (AllreduceException, MatchmakingException, TimeoutError, RuntimeError) as e:
+            logger.debug(f"{self._tag()} averaging attempt {attempt} failed: {e!r}")
+        except Exception as e:  # a network failure is a value: log it, never let it kill training
+            logger.warning(f"{self._tag()} averaging attempt {attempt} failed unexpectedly: {e!r}")
+        return None
+
+    def round_outlook(self, excluded: Iterable[str] = ()) -> RoundOutlook:
+        """Read the run's progress records: is the swarm ahead, and who at this outer step is ready or late."""
+        me, excluded = self.dht.peer_id.to_base58(), set(excluded)
+        ready, late, ahead = [], {}, False
+        for record in fetch_progress(self.dht, self.run_id, timeout_s=5.0):
+            if record.peer_id == me or record.peer_id in excluded:
+                continue
+            ahead |= record.outer_step > self.outer_step
+            if record.outer_step != self.outer_step:
+                continue
+            if record.local_step >= self.local_step:
+                ready.append(record.peer_id)
+            else:
+                late[record.peer_id] = record.local_step
+        return RoundOutlook(ahead=ahead, ready=ready, late=late)
 
     def _reset_residuals(self) -> None:
         if self._residuals is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections import Counter
 from typing import List, Optional
@@ -133,10 +134,21 @@ class ProgressPublisher:
 
     def __init__(self, dht: DHT, run_id: str, *, period_s: float = 5.0, client_mode: bool = False):
         self.dht, self.run_id, self.period_s, self.client_mode = dht, run_id, period_s, client_mode
-        # a record outlives a few missed refreshes, not much more: status should drop dead peers quickly
-        self.expiration_s = max(3 * period_s, 30.0)
+        # a record outlives a few missed refreshes, not much more: a round stops waiting for a dead peer, and status
+        # drops it, once its record expires. A background thread refreshes the record (start_heartbeat), so a peer
+        # that is busy in a long sync or a state download stays live
+        self.expiration_s = 3 * period_s
         self._last_published = -math.inf
         self._last_expiration = 0.0
+        self._last_fields: Optional[dict] = None
+        self._store_lock = threading.Lock()  # the training thread and the heartbeat both store
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat: Optional[threading.Thread] = None
+        self.watch_swarm = False
+        """also read the live peers' records with every heartbeat, into ``swarm_outer_step`` (off the training
+        thread: DiLoCoOptimizer looks at it every inner step to catch up as soon as the swarm moved on)"""
+        self.swarm_outer_step = -1
+        """the highest outer step among the other live peers at the last look (-1: none, or not watching)"""
         self.shard_index: Optional[int] = None
         """the data shard this peer claimed, published with every record (see swarm/shards.py)"""
         self.reachability = ""
@@ -148,7 +160,31 @@ class ProgressPublisher:
     def due(self) -> bool:
         return time.monotonic() - self._last_published >= self.period_s
 
+    def start_heartbeat(self) -> None:
+        """Re-publish the last record every ``period_s`` from a daemon thread until ``withdraw``: the record says
+        the peer is alive even while its training thread is blocked (a sync, a state download, a slow step)."""
+        if self._heartbeat is not None:
+            return
+        self._heartbeat = threading.Thread(target=self._beat, name="p2ptrain-progress-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self) -> None:
+        while not self._heartbeat_stop.wait(self.period_s / 2):
+            if self._last_fields is not None and self.due():
+                try:
+                    self.publish(**self._last_fields)
+                except Exception as e:  # the DHT is shutting down, or gone: the record lapses on its own
+                    logger.debug(f"Could not refresh the progress record: {e!r}")
+            if self.watch_swarm and not self._heartbeat_stop.is_set():
+                me = self.dht.peer_id.to_base58()
+                records = fetch_progress(self.dht, self.run_id, timeout_s=self.period_s)
+                self.swarm_outer_step = max((r.outer_step for r in records if r.peer_id != me), default=-1)
+
     def publish(self, *, outer_step: int, local_step: int, samples_per_s: float, samples_since_sync: int) -> None:
+        self._last_fields = dict(outer_step=outer_step, local_step=local_step, samples_per_s=samples_per_s,
+                                 samples_since_sync=samples_since_sync)
+        if self._heartbeat is None and not self._heartbeat_stop.is_set():
+            self.start_heartbeat()  # from the first record on (a shard claim, before the model is even built)
         record = PeerProgress(
             run_id=self.run_id,
             peer_id=self.dht.peer_id.to_base58(),
@@ -168,6 +204,9 @@ class ProgressPublisher:
     def withdraw(self, timeout_s: float = 5.0) -> None:
         """Overwrite our record with an empty one, so we leave `status` on a clean exit. Waits (bounded) for the
         store: the caller usually shuts the DHT down next, which would drop a store still in flight."""
+        self._heartbeat_stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=timeout_s)
         # the DHT keeps whichever value of a subkey expires last, so the empty record must outlive the last real one
         expiration = max(self._last_expiration, get_dht_time()) + 1.0
         try:
@@ -177,6 +216,10 @@ class ProgressPublisher:
 
     def _store(self, value: bytes, expiration_time: float):
         # return_future: the DHT process stores it in the background; a failed store only delays the listing
+        with self._store_lock:
+            return self._store_locked(value, expiration_time)
+
+    def _store_locked(self, value: bytes, expiration_time: float):
         self._last_expiration = max(self._last_expiration, expiration_time)
         return self.dht.store(
             progress_key(self.run_id),

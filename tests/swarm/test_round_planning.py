@@ -1,0 +1,134 @@
+"""How a round finds its group with the default settings (no --target-group-size): real DiLoCoOptimizers on real
+hivemind DHTs on 127.0.0.1, each driven from its own thread, some of them slower than the others."""
+
+from __future__ import annotations
+
+import threading
+import time
+from functools import partial
+from typing import Callable, List
+
+import hivemind
+import pytest
+import torch
+
+from p2ptrain import DiLoCoOptimizer
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
+
+INNER = partial(torch.optim.AdamW, lr=1e-2)
+OUTER = partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+LOCAL_STEPS = 4
+
+
+@pytest.fixture
+def dhts():
+    nodes: List[hivemind.DHT] = []
+
+    def make(n: int) -> List[hivemind.DHT]:
+        for _ in range(n):
+            initial = nodes[0].get_visible_maddrs() if nodes else []
+            nodes.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial))
+        return nodes
+
+    yield make
+    for node in reversed(nodes):
+        node.shutdown()
+
+
+def optimizer(dht, run_id: str, **kwargs) -> tuple[torch.nn.Module, DiLoCoOptimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+    opt = DiLoCoOptimizer(model.parameters(), dht=dht, run_id=run_id, local_steps=LOCAL_STEPS, inner_optimizer=INNER,
+                          outer_optimizer=OUTER, batch_size=4, averaging_timeout_s=20.0, **kwargs)
+    return model, opt
+
+
+def train(model, opt: DiLoCoOptimizer, steps: int, step_delay_s: Callable[[int], float] = lambda step: 0.0) -> None:
+    gen = torch.Generator().manual_seed(hash(opt.dht.peer_id.to_base58()) % 2**31)
+    for step in range(steps):
+        time.sleep(step_delay_s(step))
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 2, generator=gen)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def run_threads(*targets) -> None:
+    errors = []
+
+    def guard(target):
+        try:
+            target()
+        except BaseException as e:  # surfaced in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=guard, args=(t,)) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=200)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "a training thread hung"
+
+
+def test_a_peer_waits_for_a_slower_one_instead_of_stepping_alone(dhts):
+    """B trains at a quarter of A's speed: A reaches every sync point seconds before B, far longer than the
+    matchmaking window. A waits for B (it is live, at the same outer step, and making progress) instead of
+    stepping alone, which would make B's inner steps worthless; each group starts as soon as B arrives."""
+    a_dht, b_dht = dhts(2)
+    (model_a, a), (model_b, b) = optimizer(a_dht, "slow", matchmaking_time_s=1.0), \
+        optimizer(b_dht, "slow", matchmaking_time_s=1.0)
+    try:
+        syncs = 3
+        run_threads(lambda: train(model_a, a, syncs * LOCAL_STEPS),
+                    lambda: train(model_b, b, syncs * LOCAL_STEPS, lambda step: 1.0))
+        for opt in (a, b):
+            assert [r.group_size for r in opt.history] == [2] * syncs, opt.history
+            assert all(r.averaged and not r.caught_up for r in opt.history), opt.history
+        assert [r.digest for r in a.history] == [r.digest for r in b.history]
+        waited = [ra.seconds for ra in a.history[1:]]
+        assert min(waited) > 2.0, f"A did not wait for B: {waited}"  # B is ~3 s behind A at every sync point
+        # the group starts when B arrives, not when some window ends
+        started = [max(ra.finished_at - ra.allreduce_s, rb.finished_at - rb.allreduce_s) - (rb.finished_at - rb.seconds)
+                   for ra, rb in zip(a.history, b.history)]
+        print(f"A waited {' '.join(f'{s:.1f}' for s in waited)}s; groups formed "
+              f"{' '.join(f'{s:.2f}' for s in started)}s after B arrived")
+        assert max(started) < 1.0 + 1.0, started  # within the 1 s window even on a loaded machine
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_peer_alone_in_the_swarm_does_not_wait_for_a_group(dhts):
+    (node,) = dhts(1)
+    model, opt = optimizer(node, "alone", matchmaking_time_s=5.0)
+    try:
+        train(model, opt, 2 * LOCAL_STEPS)
+        assert [r.attempts for r in opt.history] == [0, 0], opt.history
+        assert all(not r.averaged and r.group_size == 1 for r in opt.history)
+    finally:
+        opt.close()
+
+
+def test_a_peer_left_out_of_a_round_catches_up_before_its_sync_point(dhts):
+    """A and B are ready; C is far behind and the bound on waiting for it (late_peer_wait_s) is short: A and B
+    average without it. C sees from the records that the swarm moved on and takes the state at once, instead of
+    finishing an inner phase that nobody would average."""
+    nodes = dhts(3)
+    peers = [optimizer(node, "left-out", matchmaking_time_s=1.0, late_peer_wait_s=0.5) for node in nodes]
+    (model_a, a), (model_b, b), (model_c, c) = peers
+    try:
+        # C: its first step, then a pause of 12 s within the phase (a busy host), then the rest
+        run_threads(lambda: train(model_a, a, LOCAL_STEPS), lambda: train(model_b, b, LOCAL_STEPS),
+                    lambda: train(model_c, c, LOCAL_STEPS, lambda step: 12.0 if step == 1 else 0.0))
+        for opt in (a, b):
+            assert [(r.group_size, r.averaged) for r in opt.history] == [(2, True)], opt.history
+        assert c.history and c.history[0].caught_up, c.history
+        assert c.history[0].digest == a.history[0].digest
+        assert c.outer_step == 1
+        # it caught up mid-phase: the step that took the state was not its sync point
+        assert c.local_step % LOCAL_STEPS != 0 or c.local_step == a.local_step, (c.local_step, a.local_step)
+    finally:
+        for _, opt in peers:
+            opt.close()
