@@ -48,7 +48,8 @@ def calibrate_local_steps(model: str, batch_size: int, phase_s: float, steps: in
 def run_bench(*, models: Sequence[str], peers: int, rates_mbit: Sequence[Optional[float]],
               local_steps: Sequence[int], phases_s: Sequence[float], outer_steps: int,
               compressions: Sequence[str], batch_size: int, out: Path, loopback: bool,
-              behind_nat: Sequence[int] = (0,), echo: Callable[[str], None] = print) -> Path:
+              behind_nat: Sequence[int] = (0,), groupings: Sequence[str] = ("pinned",),
+              echo: Callable[[str], None] = print) -> Path:
     """Run every combination and write ``out/report.md`` (+ .json, plots); returns the report's path."""
     problem = "--loopback given" if loopback else (nat_problem() if any(behind_nat) else netns_problem())
     if problem:
@@ -65,10 +66,11 @@ def run_bench(*, models: Sequence[str], peers: int, rates_mbit: Sequence[Optiona
             echo(f"{model}: H={h} makes an inner phase of about {phase:.0f}s with {peers} workers on "
                  f"{os.cpu_count()} cores")
             steps.append(h)
-        for h, rate, compression, nat in itertools.product(steps, rates_mbit, compressions, behind_nat):
+        for h, rate, compression, nat, grouping in itertools.product(steps, rates_mbit, compressions, behind_nat,
+                                                                     groupings):
             configs.append(BenchConfig(model=model, peers=peers, rate_mbit=rate, local_steps=h,
                                        outer_steps=outer_steps, compression=compression, batch_size=batch_size,
-                                       behind_nat=nat))
+                                       behind_nat=nat, grouping=grouping))
     results = []
     # Ctrl-C and SIGTERM both end the run cleanly (daemons stopped, namespaces removed), even when started from a
     # shell that had SIGINT ignored (as background jobs of a non-interactive shell are)
@@ -85,7 +87,8 @@ def run_bench(*, models: Sequence[str], peers: int, rates_mbit: Sequence[Optiona
             r = results[-1]
             echo(f"  utilization {_pct(r['compute_utilization'])}, sync {_num(r['sync_s'])}s "
                  f"(bound {_num(r['bandwidth_bound_s'])}s), bytes x{_num(r['bytes_vs_butterfly'])} butterfly, "
-                 f"eval loss {_num(r['final_eval_loss'], '.4f')}"
+                 f"eval loss {_num(r['final_eval_loss'], '.4f')}, rounds by group size {r['group_sizes']}, "
+                 f"{r['caught_up_rounds']} caught up"
                  + (f", {r['client_mode_peers']} peer(s) in client mode, {r['relayed_connections']} relayed "
                     "connection(s)" if cfg.behind_nat else ""))
             write_report(results, out, _environment(problem))  # after each: an interrupted run keeps its figures

@@ -37,6 +37,9 @@ class BenchConfig:
     matchmaking_time_s: float = 5.0
     behind_nat: int = 0
     """the last this-many workers each sit behind a NAT router of its own (netns.Topology), and pick client mode"""
+    grouping: str = "pinned"
+    """"pinned": every round is a round of all the peers (--target-group-size and --min-group-size = peers, "wait"
+    policy, one data shard each); "defaults": none of those flags, the workers group as a user's would"""
     eval_batches: int = 2
     """held-out batches per eval (after every round): evals are wall time but not inner steps, so they lower the
     compute utilization; the worker's default of 8 would cost a 25M-model peer ~10% of a 1-minute phase here"""
@@ -45,7 +48,8 @@ class BenchConfig:
     def name(self) -> str:
         rate = f"{self.rate_mbit:g}Mbit" if self.rate_mbit else "loopback"
         nat = f"-{self.behind_nat}nat" if self.behind_nat else ""
-        return f"{self.model}-{self.peers}peers{nat}-{rate}-H{self.local_steps}-{self.compression}"
+        grouping = "-defaults" if self.grouping == "defaults" else ""
+        return f"{self.model}-{self.peers}peers{nat}-{rate}-H{self.local_steps}-{self.compression}{grouping}"
 
     @property
     def nat_hosts(self) -> frozenset:
@@ -86,11 +90,7 @@ def run_config(cfg: BenchConfig, out: Path, topology: Optional[Topology], progre
                 "--host-maddrs", f"/ip4/{address(i)}/tcp/0", "--run-id", f"bench-{cfg.name}",
                 "--model", cfg.model, "--batch-size", str(cfg.batch_size), "--local-steps", str(cfg.local_steps),
                 "--max-outer-steps", str(cfg.outer_steps), "--compression", cfg.compression,
-                # every round of the benchmark is a round of all its peers: with fewer allowed, a peer a few
-                # seconds late would be left out of every round (it catches up instead, its work discarded)
-                "--num-shards", str(cfg.peers), "--shard-index", str(i - 1), "--target-group-size", str(cfg.peers),
-                "--min-group-size", str(cfg.peers),
-                "--no-group-policy", "wait", "--matchmaking-time", str(cfg.matchmaking_time_s),
+                *_grouping_flags(cfg, i),
                 "--averaging-timeout", "600", "--threads", "1", "--no-progress", "--log-interval", "30",
                 "--eval-batches", str(cfg.eval_batches),
                 "--report", str(out / f"w{i}.json"),
@@ -125,6 +125,16 @@ def run_config(cfg: BenchConfig, out: Path, topology: Optional[Topology], progre
     samples = topology.counters() if topology else []
     (out / "counters.json").write_text(json.dumps(samples))
     return summarize(cfg, reports, samples)
+
+
+def _grouping_flags(cfg: BenchConfig, i: int) -> List[str]:
+    if cfg.grouping == "defaults":
+        return []  # the workers find their groups from the live peers' progress records, as a user's do
+    # every round of the benchmark is a round of all its peers, pinned by flags (the setup before the defaults
+    # waited for the live peers): with fewer allowed, a peer a few seconds late would be left out of a round
+    return ["--num-shards", str(cfg.peers), "--shard-index", str(i - 1), "--target-group-size", str(cfg.peers),
+            "--min-group-size", str(cfg.peers), "--no-group-policy", "wait",
+            "--matchmaking-time", str(cfg.matchmaking_time_s)]
 
 
 def _pin(i: int, cores: int, peers: int) -> List[str]:
@@ -208,7 +218,13 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
     data_parallel_bytes = inner_steps * 2 * (n - 1) / n * 4 * params  # one fp32 all-reduce of the gradients a step
     diloco_bytes = bytes_per_sync * cfg.outer_steps if bytes_per_sync else None
     step_s = mean([p["compute_s"] / (cfg.local_steps * (len(p["rounds"]) - 1)) for p in peers if p["compute_s"]])
+    # every round every peer committed (a solo step counts as a group of 1), and those in which it threw its inner
+    # steps away to take the swarm's state: what "every round has every peer" looks like, or does not
+    committed = [r for report in reports for r in report["rounds"] if not r["abandoned"]]
+    group_sizes = {str(size): sum(1 for r in committed if r["group_size"] == size)
+                   for size in sorted({r["group_size"] for r in committed})}
     return {
+        "group_sizes": group_sizes, "caught_up_rounds": sum(1 for r in committed if r["caught_up"]),
         "config": asdict(cfg), "name": cfg.name, "parameters": params, "payload_bytes": payload,
         "butterfly_bound_bytes": butterfly, "bytes_measured_on": "wire (switch port counters)" if samples else
         "payload (no namespaces: loopback, the peers' own counts)",
