@@ -65,10 +65,10 @@ def run_demo(
         for i in range(workers):
             args = [
                 "join", "--initial-peers", bootstrap_maddr, "--host-maddrs", LOOPBACK, "--run-id", run_id,
+                # the defaults group the workers and split the data, as in a swarm started by hand; the threads
+                # split this host's cores between its workers, as the --threads help advises
                 "--model", model, "--local-steps", str(local_steps), "--max-outer-steps", str(outer_steps),
-                "--num-shards", str(workers), "--shard-index", str(i), "--target-group-size", str(workers),
-                # every worker of the demo is alive, so waiting for the group is always right here
-                "--no-group-policy", "wait", "--threads", str(threads), "--log-interval", "5",
+                "--threads", str(threads), "--log-interval", "5",
                 "--report", str(log_dir / f"worker-{i}.json"), "--no-progress",
             ]
             worker_procs.append(spawn(args, log_dir / f"worker-{i}.log"))
