@@ -205,7 +205,13 @@ RUN_OPTIONS: List[Tuple[str, str, Dict[str, Any]]] = [
      dict(help="Refuse to start when the model will not fit in the free memory (estimated).")),
     ("--device", "train.device", dict(help="auto, cpu, cuda or cuda:N (bf16 autocast on CUDA).")),
     ("--max-outer-steps", "train.max_outer_steps",
-     dict(type=click.IntRange(min=1), help="Leave cleanly after this many syncs; default: until stopped.")),
+     dict(type=click.IntRange(min=1),
+          help="Leave cleanly after taking part in this many syncs, counted from when this worker starts training "
+               "(a catch-up to the swarm counts as one); default: until stopped.")),
+    ("--until-outer-step", "train.until_outer_step",
+     dict(type=click.IntRange(min=1),
+          help="Leave cleanly once the run's outer step (as this worker holds it) reaches N; a worker that joins or "
+               "resumes at or past N leaves at once. Default: until stopped.")),
     ("--eval-batches", "train.eval_batches", dict(type=click.IntRange(min=1), help="Held-out batches per eval.")),
     ("--log-interval", "train.log_interval_s", dict(type=float, help="Seconds between log lines.")),
     ("--threads", "train.threads",
@@ -445,6 +451,9 @@ def status(ctx: click.Context, as_json: bool, **params) -> None:
         raise BadInput(str(e)) from None
     try:
         records = fetch_progress(dht, config.run_id)
+        from p2ptrain.swarm.shards import coverage, cursor_progress, fetch_cursors
+
+        cursors = fetch_cursors(dht, config.run_id)
     finally:
         stop_dht(dht)
 
@@ -458,17 +467,27 @@ def status(ctx: click.Context, as_json: bool, **params) -> None:
         for r in records
     ]
     public = sum(p["mode"] == "public" for p in peers)
+    # the data: which shard each worker is on, how far the swarm got through it (passes), and through the corpus;
+    # cursors from a later outer step than any live peer's are an earlier run's under this run id
+    data_seen = coverage(cursors.values(), max_outer_step=max((r.outer_step for r in records), default=None))
+    for p, r in zip(peers, records):
+        cursor = cursors.get(r.shard_index) if r.HasField("shard_index") else None
+        p["shard"] = r.shard_index if r.HasField("shard_index") else None
+        p["shard_passes"] = round(cursor_progress(cursor), 3) if cursor is not None else 0.0
     if as_json:
-        click.echo(json.dumps({"run_id": config.run_id, "peers": peers, "public_peers": public}))
+        click.echo(json.dumps({"run_id": config.run_id, "peers": peers, "public_peers": public,
+                               "coverage": data_seen}))
         return
     click.echo(f"run {config.run_id}: {len(peers)} peer(s), {public} public (can lead groups and reduce), "
                f"{len(peers) - public} in client mode (behind NAT)")
     if peers:
-        click.echo(f"{'peer_id':<54} {'mode':>6} {'outer':>6} {'local':>8} {'samples/s':>10} {'last seen':>10}")
+        click.echo(f"{'peer_id':<54} {'mode':>6} {'outer':>6} {'local':>8} {'samples/s':>10} {'last seen':>10} "
+                   f"{'shard':>6} {'passes':>6}")
         for p in peers:
             age = max(0.0, time.time() - p["last_seen"])
+            shard = "-" if p["shard"] is None else p["shard"]
             click.echo(f"{p['peer_id']:<54} {p['mode']:>6} {p['outer_step']:>6} {p['local_step']:>8} "
-                       f"{p['samples_per_s']:>10.1f} {age:>8.0f}s ago")
+                       f"{p['samples_per_s']:>10.1f} {age:>8.0f}s ago {shard:>6} {p['shard_passes']:>6.2f}")
         for p in peers:
             if p["reachability"]:
                 click.echo(f"  {p['peer_id'][-8:]} {p['reachability']}")
@@ -477,6 +496,12 @@ def status(ctx: click.Context, as_json: bool, **params) -> None:
                 click.echo(f"  {p['peer_id'][-8:]} model {p['model'] or '(unnamed)'} ({p['num_parameters']:,} "
                            f"parameters), H={p['local_steps']}, {p['compression']}; batch size {p['batch_size']}, "
                            f"{p['threads']} thread(s), data: {p['data'] or '-'}")
+    if data_seen:
+        click.echo(f"data: {data_seen['fraction_seen']:.1%} of the corpus seen at least once; "
+                   f"{data_seen['shards_complete']} of {data_seen['num_shards']} shards complete, "
+                   f"{data_seen['passes']} full pass(es) over all of them")
+    elif peers:
+        click.echo("data: no shard cursor published yet (they come after each committed round)")
     if peers and not public:
         click.echo("no peer can lead a group: every peer is behind NAT; rounds cannot form until a worker with a "
                    "public address (or a forwarded port) joins")

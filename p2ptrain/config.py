@@ -139,7 +139,11 @@ class TrainConfig:
     device: str = "auto"
     """auto, cpu or cuda (bf16 autocast on CUDA)"""
     max_outer_steps: Optional[int] = None
-    """leave cleanly after this many syncs; unset: train until stopped"""
+    """leave cleanly after taking part in this many syncs (outer steps committed during this peer's training; a
+    catch-up that took the swarm's state counts as one), wherever the swarm was when it joined; unset: no limit"""
+    until_outer_step: Optional[int] = None
+    """leave cleanly once the swarm's outer step that this peer holds reaches this number (an absolute step of the
+    run: a peer that joins or resumes at or past it leaves without training); unset: no limit"""
     eval_batches: int = 8
     """held-out batches for the eval loss, measured at start and after every sync"""
     log_interval_s: float = 10.0
@@ -277,6 +281,9 @@ def validate(config: RunConfig) -> None:
          f"train.device {t.device!r} is unknown; use auto, cpu, cuda or cuda:N")
     need(t.max_outer_steps is None or t.max_outer_steps >= 1,
          f"train.max_outer_steps must be at least 1, got {t.max_outer_steps}")
+    need(t.until_outer_step is None or t.until_outer_step >= 1,
+         f"train.until_outer_step must be at least 1, got {t.until_outer_step}; it is the run's outer step to stop "
+         "at (--max-outer-steps counts this peer's syncs instead)")
     need(t.checkpoint_every >= 1, f"train.checkpoint_every must be at least 1, got {t.checkpoint_every}")
     need(t.eval_batches >= 1, f"train.eval_batches must be at least 1, got {t.eval_batches}")
     need(s.reachability in ("auto", "public", "client"),

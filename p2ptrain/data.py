@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -100,20 +100,58 @@ def _epoch_seed(seed: int, epoch: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
+def shard_layout(num_bytes: int, num_shards: int, shard_index: int, block_size: int) -> tuple[int, int, int]:
+    """(start, end, samples_per_epoch) of shard ``shard_index`` of ``num_bytes`` training bytes cut into ``num_shards``
+    contiguous ranges: its bytes are ``data[start:end]``, and it holds that many non-overlapping samples."""
+    start, end = num_bytes * shard_index // num_shards, num_bytes * (shard_index + 1) // num_shards
+    # a sample needs block_size + 1 bytes: y's last byte is one past x's
+    return start, end, max(0, end - start - 1) // block_size
+
+
+def phase_shortfall(num_bytes: int, num_shards: int, block_size: int, local_steps: int, batch_size: int,
+                    shard_index: Optional[int] = None) -> Optional[str]:
+    """A warning (or None) when a shard holds fewer samples than one inner phase trains on (``local_steps *
+    batch_size``): a peer then goes through the whole shard, and on to other shards, within one phase (or, if it is
+    pinned to the shard or every other shard is taken, trains on the same samples several times per phase)."""
+    index = 0 if shard_index is None else shard_index
+    _, _, samples = shard_layout(num_bytes, num_shards, index, block_size)
+    phase = local_steps * batch_size
+    if samples >= phase:
+        return None
+    total = sum(shard_layout(num_bytes, num_shards, i, block_size)[2] for i in range(num_shards))
+    fewer = max(1, min(num_shards - 1, total // phase))
+    if total < phase:
+        fix = (f"the whole training text ({total} samples) is less than one phase: use more data, or fewer samples "
+               f"per phase (--local-steps, --batch-size)")
+    else:
+        fix = (f"use fewer shards (--num-shards {fewer}, the same on every peer), more data, or fewer samples per "
+               "phase (--local-steps, --batch-size)")
+    return (f"data shard {index} holds {samples} samples ({num_bytes} bytes of training text in {num_shards} shards, "
+            f"{block_size}-byte samples), fewer than one inner phase trains on (local_steps {local_steps} x "
+            f"batch_size {batch_size} = {phase} samples); {fix}")
+
+
 class ShardedBatches:
-    """Endless (x, y) batches from one shard of the training bytes; y is x shifted by one byte.
+    """Endless (x, y) batches from shards of the training bytes; y is x shifted by one byte.
 
     The bytes are cut into ``num_shards`` contiguous ranges, and every sample of a shard lies inside its range, so
     peers on different shards never train on the same text. A sample starts at a multiple of ``block_size`` from the
     start of the shard (non-overlapping windows); one epoch visits each of them once, in an order shuffled by
-    (seed, epoch). Batches run on across epoch boundaries.
+    (seed, epoch).
 
-    ``state_dict()`` records the position; an iterator given it with ``load_state_dict()`` yields exactly the
-    batches this one would have yielded next.
+    The iterator is on one shard at a time (``shard_index``, ``epoch``, ``position``). Each time it completes an
+    epoch of it, it asks ``on_epoch_end`` (if set) where to go on: given the finished shard's state (``epoch`` one
+    more, ``position`` 0), it returns a state (``state_for()``, or a published cursor) to continue from, on any
+    shard, or None to start the next epoch of the same one. A batch runs on across the boundary either way. A shard
+    it leaves is recorded in ``left_shards`` (shard -> its state then) until the caller takes them.
+
+    ``state_dict()`` records the shard and the position; an iterator given it with ``load_state_dict()`` (on any
+    shard) yields exactly the batches this one would have yielded next.
     """
 
     def __init__(
-        self, data: bytes, block_size: int, batch_size: int, shard_index: int, num_shards: int, seed: int = 0
+        self, data: bytes, block_size: int, batch_size: int, shard_index: int, num_shards: int, seed: int = 0,
+        on_epoch_end: Optional[Callable[[dict], Optional[dict]]] = None,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
@@ -125,26 +163,32 @@ class ShardedBatches:
             raise ValueError(f"shard_index {shard_index} must be in [0, {num_shards})")
         self.block_size = block_size
         self.batch_size = batch_size
-        self.shard_index = shard_index
         self.num_shards = num_shards
         self.seed = seed
-
-        start, end = len(data) * shard_index // num_shards, len(data) * (shard_index + 1) // num_shards
-        self.shard_range = (start, end)  # the bytes of ``data`` that this shard's samples lie in
-        # a sample needs block_size + 1 bytes: y's last byte is one past x's
-        self.samples_per_epoch = max(0, end - start - 1) // block_size
-        if self.samples_per_epoch == 0:
-            raise DataError(
-                f"{len(data)} bytes of training text in {num_shards} shards leave {end - start} bytes per shard, "
-                f"fewer than the {block_size + 1} one sample needs; use fewer shards (train.num_shards) or more data"
-            )
-        # a copy of this shard only (bytes are read-only, and torch wants a writable buffer)
-        self._shard = torch.frombuffer(bytearray(data[start:end]), dtype=torch.uint8)
-        self._offsets = torch.arange(block_size + 1)  # (T+1,)
-
-        self.epoch = 0  # epochs completed
+        self.on_epoch_end = on_epoch_end
+        self._data = data  # bytes are immutable: a reference, not a copy
+        self.left_shards: dict[int, dict] = {}
+        """shard -> its state when this iterator left it, since the caller last cleared this"""
+        self.epoch = 0  # epochs of the current shard completed
         self.position = 0  # samples of the current epoch already yielded
         self._order_epoch, self._order = -1, torch.empty(0, dtype=torch.long)
+        self._offsets = torch.arange(block_size + 1)  # (T+1,)
+        self._set_shard(shard_index)
+
+    def _set_shard(self, shard_index: int) -> None:
+        start, end, samples = shard_layout(len(self._data), self.num_shards, shard_index, self.block_size)
+        if samples == 0:
+            raise DataError(
+                f"{len(self._data)} bytes of training text in {self.num_shards} shards leave {end - start} bytes per "
+                f"shard, fewer than the {self.block_size + 1} one sample needs; use fewer shards (train.num_shards) "
+                "or more data"
+            )
+        self.shard_index = shard_index
+        self.shard_range = (start, end)  # the bytes of ``data`` that this shard's samples lie in
+        self.samples_per_epoch = samples
+        # a copy of this shard only (bytes are read-only, and torch wants a writable buffer)
+        self._shard = torch.frombuffer(bytearray(self._data[start:end]), dtype=torch.uint8)
+        self._order_epoch = -1  # the order is per (seed, epoch) and shard size: make it again
 
     def _epoch_order(self, epoch: int) -> torch.Tensor:
         """Sample starts relative to the shard, in the order ``epoch`` visits them: (samples_per_epoch,) int64."""
@@ -162,41 +206,56 @@ class ShardedBatches:
         return self
 
     def __next__(self) -> Batch:
-        starts = []
+        rows = []
         needed = self.batch_size
         while needed:
             take = self._epoch_order(self.epoch)[self.position : self.position + needed]
-            starts.append(take)
+            rows.append(self._shard[take[:, None] + self._offsets])  # (b, T+1) of the shard it came from
             needed -= len(take)
             self.position += len(take)
             if self.position == self.samples_per_epoch:
                 self.epoch, self.position = self.epoch + 1, 0
-        index = torch.cat(starts)[:, None] + self._offsets  # (B, T+1)
-        chunk = self._shard[index].long()  # (B, T+1)
+                if self.on_epoch_end is not None:
+                    nxt = self.on_epoch_end(self.state_dict())
+                    if nxt is not None and nxt["shard_index"] != self.shard_index:
+                        self.load_state_dict(nxt)
+        chunk = torch.cat(rows).long()  # (B, T+1)
         return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()  # (B, T), (B, T)
 
-    def state_dict(self) -> dict:
+    def state_for(self, shard_index: int, epoch: int = 0, position: int = 0) -> dict:
+        """The state of shard ``shard_index`` at (epoch, position) in this iterator's layout."""
+        samples = shard_layout(len(self._data), self.num_shards, shard_index, self.block_size)[2]
         return {
-            "epoch": self.epoch,
-            "position": self.position,
+            "epoch": epoch,
+            "position": position,
             "seed": self.seed,
-            "shard_index": self.shard_index,
+            "shard_index": shard_index,
             "num_shards": self.num_shards,
             "block_size": self.block_size,
-            "samples_per_epoch": self.samples_per_epoch,
+            "samples_per_epoch": samples,
         }
 
+    def state_dict(self) -> dict:
+        return self.state_for(self.shard_index, self.epoch, self.position)
+
     def load_state_dict(self, state: dict) -> None:
-        """Resume at the position in ``state``. A ValueError if it was saved by an iterator over different data:
-        a position in another shard, model or corpus means nothing here."""
-        for key in ("seed", "shard_index", "num_shards", "block_size", "samples_per_epoch"):
-            if state[key] != getattr(self, key):
+        """Go to the shard and position in ``state``. A ValueError if it was saved by an iterator over different
+        data: a position in another model, corpus or shard layout means nothing here."""
+        shard_index = state["shard_index"]
+        if not isinstance(shard_index, int) or not 0 <= shard_index < self.num_shards:
+            raise ValueError(f"the saved data position is in shard {shard_index}, outside [0, {self.num_shards})")
+        expected = self.state_for(shard_index)
+        for key in ("seed", "num_shards", "block_size", "samples_per_epoch"):
+            if state[key] != expected[key]:
                 raise ValueError(
-                    f"the saved data position has {key}={state[key]}, this iterator {key}={getattr(self, key)}; "
-                    "resume with the same corpus, model, seed and shard"
+                    f"the saved data position has {key}={state[key]}, this iterator {key}={expected[key]}; "
+                    "resume with the same corpus, model, seed and number of shards"
                 )
-        if not 0 <= state["position"] < self.samples_per_epoch or state["epoch"] < 0:
+        if not 0 <= state["position"] < expected["samples_per_epoch"] or state["epoch"] < 0:
             raise ValueError(f"the saved data position (epoch {state['epoch']}, sample {state['position']}) is invalid")
+        if shard_index != self.shard_index:
+            self.left_shards[self.shard_index] = self.state_dict()
+            self._set_shard(shard_index)
         self.epoch, self.position = state["epoch"], state["position"]
 
 

@@ -23,8 +23,15 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from p2ptrain.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
-from p2ptrain.config import ConfigError, RunConfig
-from p2ptrain.data import ShardedBatches, eval_batches, evaluate, load_corpus, split_train_val
+from p2ptrain.config import ConfigError, RunConfig, default_threads
+from p2ptrain.data import (
+    ShardedBatches,
+    eval_batches,
+    evaluate,
+    load_corpus,
+    phase_shortfall,
+    split_train_val,
+)
 from p2ptrain.diloco import DiLoCoOptimizer
 from p2ptrain.health import Heartbeat, write_atomically
 from p2ptrain.hsdp import (
@@ -42,9 +49,17 @@ from p2ptrain.lifeline import follow_parent
 from p2ptrain.memory import GiB, check_memory
 from p2ptrain.model import build_model, model_config
 from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht, visible_maddrs
-from p2ptrain.swarm.progress import ProgressPublisher
+from p2ptrain.swarm.progress import ProgressPublisher, fetch_progress
 from p2ptrain.swarm.reachability import connection_counts
-from p2ptrain.swarm.shards import claim_shard, cursor_state, fetch_cursor, publish_cursor
+from p2ptrain.swarm.shards import (
+    claim_shard,
+    cursor_state,
+    fetch_cursor,
+    fetch_cursors,
+    pick_next_shard,
+    publish_cursor,
+    shard_progress,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +73,14 @@ class WorkerReport:
     model: str = ""
     num_parameters: int = 0
     shard_index: int = -1
+    """the data shard this peer is on (at exit: the one it ended on)"""
+    shard_history: List[Dict[str, Any]] = field(default_factory=list)
+    """each shard this peer trained on, in order: ``shard``, where it started in it (``epoch``, ``position``), the
+    ``outer_step`` and ``local_step`` then, and ``why`` (claimed, resumed, finished <shard>, conflict)"""
     outer_steps: int = 0
+    syncs: int = 0
+    """outer steps committed during this peer's training loop (a catch-up that took the state counts as one):
+    what --max-outer-steps counts"""
     local_steps: int = 0
     initial_eval_loss: float = float("nan")
     final_eval_loss: float = float("nan")
@@ -83,16 +105,16 @@ class WorkerReport:
     train_ended_at: Optional[float] = None
     """wall-clock time when the training loop ended"""
     stopped_by: str = ""
-    """"max_outer_steps" or "signal" """
+    """"max_outer_steps", "until_outer_step" or "signal" """
     reachability: str = ""
     """public or client mode, and why (swarm/reachability.py)"""
     start_outer_step: Optional[int] = None
     """outer step of the state this peer started training from (after any checkpoint and state download)"""
     rounds: List[Dict[str, Any]] = field(default_factory=list)
-    """one entry per sync: SyncRecord fields plus the eval loss right after it, the shard position and the
-    cumulative ``compute_s`` at that point, and this peer's libp2p connections then (``direct``, ``relayed``).
-    A round joined with weight 0 while taking the swarm's state at start
-    is one too (``caught_up``)"""
+    """one entry per sync: SyncRecord fields plus the eval loss right after it, the shard (``shard_index``) and
+    the position in it (``data_position``: epoch, sample), the cumulative ``compute_s`` at that point, and this
+    peer's libp2p connections then (``direct``, ``relayed``). A round joined with weight 0 while taking the swarm's
+    state at start is one too (``caught_up``)"""
 
     def to_dict(self) -> Dict[str, Any]:
         return dict(self.__dict__)
@@ -128,6 +150,9 @@ class Worker:
         self._stop = threading.Event()
         self._opt: Optional[DiLoCoOptimizer] = None
         self._checkpoint_parts: Optional[tuple] = None  # (model, optimizer, batches) once training can begin
+        self._publisher: Optional[ProgressPublisher] = None  # the leader's, once joined
+        self._batches: Optional[ShardedBatches] = None
+        self._seen: Dict[int, dict] = {}  # shard -> the furthest state of it this peer knows of (left or published)
         self.report = WorkerReport(run_id=config.run_id, model=config.train.model)
         self._dht = None  # set once joined: the round reports list its connections
         self.ranks = LocalRanks()  # set from torchrun's environment when run() starts
@@ -164,8 +189,7 @@ class Worker:
         cfg, started = self.config, time.monotonic()
         self._started = started
         train_cfg, diloco_cfg = cfg.train, cfg.diloco
-        if train_cfg.threads:
-            torch.set_num_threads(train_cfg.threads)
+        torch.set_num_threads(train_cfg.threads or default_threads())
         device = pick_device(train_cfg.device)
         # read the data and the checkpoint before joining: bad input must fail before any process is started
         train_bytes, val_bytes = split_train_val(load_corpus(train_cfg.data or None))
@@ -194,19 +218,25 @@ class Worker:
         dht = self._dht = start_dht(cfg.swarm) if ranks.leader else None
         opt = None
         try:
-            publisher = self._join_swarm(dht, resumed) if ranks.leader else None
+            publisher = self._publisher = self._join_swarm(dht, resumed) if ranks.leader else None
             shard_index = publisher.shard_index if publisher else None
             if ranks.world > 1:
                 shard_index = broadcast_object(shard_index)
             self.report.shard_index = shard_index
-            batches = ShardedBatches(
+            batches = self._batches = ShardedBatches(
                 train_bytes,
                 block_size=self._block_size(),
                 batch_size=train_cfg.batch_size,
                 shard_index=shard_index,
                 num_shards=train_cfg.num_shards,
                 seed=train_cfg.seed,
+                # a peer pinned to a shard (--shard-index) stays on it; the others move on after each pass
+                on_epoch_end=None if self._pinned() else self._on_epoch_end,
             )
+            shortfall = phase_shortfall(len(train_bytes), train_cfg.num_shards, self._block_size(),
+                                        diloco_cfg.local_steps, train_cfg.batch_size, shard_index)
+            if shortfall and ranks.leader:
+                logger.warning(shortfall)
             held_out = eval_batches(val_bytes, self._block_size(), train_cfg.batch_size, train_cfg.eval_batches)
 
             model = build_model(train_cfg.model, seed=train_cfg.seed).to(device)
@@ -230,6 +260,7 @@ class Worker:
                 ),
                 compression=diloco_cfg.compression,
                 matchmaking_time_s=diloco_cfg.matchmaking_time_s,
+                late_peer_wait_s=diloco_cfg.late_peer_wait_s,
                 averaging_timeout_s=diloco_cfg.averaging_timeout_s,
                 min_group_size=diloco_cfg.min_group_size,
                 target_group_size=diloco_cfg.target_group_size,
@@ -243,7 +274,8 @@ class Worker:
                 shard_model(model, mesh)
                 opt = ShardedDiLoCo(
                     model, inner_optimizer=inner, local_steps=diloco_cfg.local_steps,
-                    diloco=(lambda params, proxy_inner: make_diloco(params, inner_optimizer=proxy_inner))
+                    diloco=(lambda params, proxy_inner: make_diloco(params, inner_optimizer=proxy_inner,
+                                                                     catch_up_mid_phase=False))
                     if ranks.leader else None,
                 )
             self._opt = opt
@@ -253,6 +285,7 @@ class Worker:
                 self._restore(resumed, model, opt, batches)
             joined_rounds = self._catch_up(opt)
             self._continue_shard(dht, opt, batches)
+            self._note_shard(batches, opt, "resumed" if resumed is not None else "claimed")
             self.report.initial_eval_loss = self._evaluate(model, held_out, device)
             self.report.start_outer_step = opt.outer_step
             if ranks.leader:
@@ -349,6 +382,7 @@ class Worker:
 
     def _report_round(self, record, batches: ShardedBatches, eval_loss: float, eval_s: float = 0.0) -> None:
         entry = record.to_dict()
+        entry["shard_index"] = batches.shard_index
         entry["data_position"] = [batches.epoch, batches.position]
         entry["eval_loss"] = eval_loss
         entry["eval_s"] = eval_s  # the held-out eval after the round: neither compute nor sync
@@ -390,6 +424,114 @@ class Worker:
         logger.info(f"[{peer}] continuing shard {batches.shard_index} at epoch {cursor.epoch}, sample "
                     f"{cursor.position}, where {cursor.peer_id[-8:]} left it at outer step {cursor.outer_step}")
         return state
+
+    # ------------------------------------------------------------------------------------ moving between shards
+
+    def _pinned(self) -> bool:
+        """A peer given --shard-index trains on that shard only."""
+        return self.config.train.shard_index is not None
+
+    def _note_shard(self, batches: ShardedBatches, opt, why: str) -> None:
+        """Record (report, progress record) that this peer now trains on ``batches``' current shard."""
+        self.report.shard_index = batches.shard_index
+        self.report.shard_history.append({
+            "shard": batches.shard_index, "epoch": batches.epoch, "position": batches.position,
+            "outer_step": opt.outer_step if opt is not None else 0,
+            "local_step": opt.local_step if opt is not None else 0, "why": why,
+        })
+        if self._publisher is not None and self._publisher.shard_index != batches.shard_index:
+            self._publisher.shard_index = batches.shard_index
+            diloco = opt.diloco if isinstance(opt, ShardedDiLoCo) else opt
+            if diloco is not None:  # at once: other peers choosing a shard now must see this claim
+                self._publisher.publish(outer_step=diloco.outer_step, local_step=diloco.local_step,
+                                        samples_per_s=diloco.samples_per_s,
+                                        samples_since_sync=diloco.samples_since_sync)
+
+    def _on_epoch_end(self, finished: dict) -> Optional[dict]:
+        """``ShardedBatches.on_epoch_end``: a pass over the current shard is complete; where to go on. Called on
+        every rank at the same batch (the ranks iterate the same batches): the leader chooses and broadcasts."""
+        self._seen[finished["shard_index"]] = finished
+        choice = self._choose_shard(finished, conflict=False) if self.ranks.leader else None
+        if self.ranks.world > 1:
+            choice = broadcast_object(choice)
+        if choice is not None:
+            self._batches.load_state_dict(choice)
+            self._note_shard(self._batches, self._opt, f"finished {finished['shard_index']}")
+        return choice
+
+    def _choose_shard(self, current: dict, conflict: bool) -> Optional[dict]:
+        """On the leader: the state to go on from when leaving the shard of ``current`` (its pass is complete, or
+        ``conflict``: another live peer with a smaller peer id trains on it too), or None to stay. The least seen
+        shard that no other live peer claims, where the swarm's training of it got to."""
+        cfg, opt, batches = self.config, self._opt, self._batches
+        me, mine = self.report.peer_id, current["shard_index"]
+        records = fetch_progress(self._dht, cfg.run_id)
+        others = [r for r in records if r.peer_id != me and r.HasField("shard_index")]
+        if conflict and not any(r.shard_index == mine and r.peer_id < me for r in others):
+            return None
+        claimed = {r.shard_index for r in others}
+        outer_step = opt.outer_step if opt is not None else None
+        cursors = fetch_cursors(self._dht, cfg.run_id)
+        progress = shard_progress(cursors.values(), batches.num_shards, outer_step, layout=current)
+        starts: Dict[int, dict] = {}
+        for index, cursor in cursors.items():
+            state = cursor_state(cursor)
+            if index in progress and state == {**batches.state_for(index), "epoch": state["epoch"],
+                                               "position": state["position"]}:
+                starts[index] = state
+        for index, state in {**self._seen, mine: current}.items():
+            passes = state["epoch"] + state["position"] / state["samples_per_epoch"]
+            progress[index] = max(progress.get(index, 0.0), passes)
+            if index not in starts or (state["epoch"], state["position"]) > (starts[index]["epoch"],
+                                                                                starts[index]["position"]):
+                starts[index] = state
+        pick = pick_next_shard(batches.num_shards, progress, claimed, me)
+        if pick is None or pick == mine:
+            if not conflict:
+                logger.info(f"[{me}] shard {mine} done ({current['epoch']} pass(es)); every other shard is claimed "
+                            f"by a live peer or seen as often: pass {current['epoch'] + 1} of shard {mine}")
+            return None
+        state = starts.get(pick, batches.state_for(pick))
+        if state["position"] >= state["samples_per_epoch"]:  # defensive: a cursor at the very end is a pass done
+            state = {**state, "epoch": state["epoch"] + 1, "position": 0}
+        seen = progress.get(pick, 0.0)
+        why = (f"another live peer ({min(r.peer_id for r in others if r.shard_index == mine)[-8:]}) trains on "
+               f"shard {mine} too" if conflict else f"shard {mine} done ({current['epoch']} pass(es))")
+        logger.info(f"[{me}] {why}; moving on to shard {pick} ({'unseen' if seen == 0 else f'{seen:.2f} passes seen'}"
+                    f"), at epoch {state['epoch']}, sample {state['position']}")
+        return state
+
+    def _after_commit(self, batches: ShardedBatches, opt) -> None:
+        """After a committed round, on every rank: move off a shard another live peer took too (one with a smaller
+        peer id stays), then (leader) publish the cursors: of each shard left since the previous round, where it
+        was left, and of the current one. Only now did those samples reach the swarm's parameters."""
+        if not self._pinned():
+            move = self._choose_shard(batches.state_dict(), conflict=True) if self.ranks.leader else None
+            if self.ranks.world > 1:
+                move = broadcast_object(move)
+            if move is not None:
+                batches.load_state_dict(move)
+                self._note_shard(batches, opt, "conflict")
+        left, batches.left_shards = batches.left_shards, {}
+        if not self.ranks.leader:
+            return
+        states = {index: state for index, state in left.items() if index != batches.shard_index}
+        states[batches.shard_index] = batches.state_dict()
+        # a cursor only moves forward: another peer that trained on the same shard (two picked it at once) may have
+        # published a position further through its order already; samples up to there did reach the swarm
+        published = fetch_cursors(self._dht, self.config.run_id) if not self._pinned() else {}
+        for index, state in states.items():
+            cursor = published.get(index)
+            if cursor is not None and cursor.outer_step <= opt.outer_step:
+                theirs = cursor_state(cursor)
+                if theirs == {**state, "epoch": theirs["epoch"], "position": theirs["position"]} and \
+                        (theirs["epoch"], theirs["position"]) > (state["epoch"], state["position"]):
+                    self._seen[index] = theirs
+                    continue
+            publish_cursor(self._dht, self.config.run_id, state, opt.outer_step)
+            if index != batches.shard_index:
+                self._seen[index] = max(state, self._seen.get(index, state),
+                                        key=lambda st: (st["epoch"], st["position"]))
 
     # ------------------------------------------------------------------------------------------- checkpoints
 
@@ -435,6 +577,7 @@ class Worker:
             model.load_state_dict(state["model_state"])
             opt.load_state_dict(state["optimizer"])
         batches.load_state_dict(state["data"])
+        batches.left_shards = dict(state.get("left_shards", {}))
         self.report.outer_steps = opt.outer_step
         self.report.local_steps = opt.local_step
         logger.info(
@@ -451,8 +594,10 @@ class Worker:
             "run_id": self.config.run_id,
             "model": self.config.train.model,
             "num_shards": self.config.train.num_shards,
-            "shard_index": self.report.shard_index,
+            "shard_index": batches.shard_index,
             "data": batches.state_dict(),
+            # shards left since the last committed round: their cursors are published after the next one
+            "left_shards": dict(batches.left_shards),
         }
         try:
             if isinstance(opt, ShardedDiLoCo):  # every rank writes its shards; a collective
@@ -478,8 +623,18 @@ class Worker:
     def _train(self, model, opt: DiLoCoOptimizer, batches, held_out, device: torch.device) -> None:
         cfg = self.config.train
         peer = self.report.peer_id
-        max_outer = cfg.max_outer_steps
-        total = max_outer * opt.local_steps if max_outer else None
+        max_syncs, until = cfg.max_outer_steps, cfg.until_outer_step
+        if until is not None and opt.outer_step >= until:
+            logger.info(f"[{peer}] already at outer step {opt.outer_step}, at or past --until-outer-step {until}: "
+                        "leaving without training")
+            self.report.stopped_by = "until_outer_step"
+            self.report.train_ended_at = time.time()
+            return
+        # inner steps until the first sync, then H per sync (a catch-up may jump further: the bar is a plan)
+        first_sync_in = opt.local_steps - opt.local_step % opt.local_steps
+        planned = [n for n in (max_syncs, until - opt.outer_step if until is not None else None) if n is not None]
+        total = (min(planned) - 1) * opt.local_steps + first_sync_in if planned else None
+        syncs = 0
         ranks = self.ranks
         bar = tqdm(total=total, desc=f"{peer[-8:]} train", unit="step", leave=False,
                    disable=not (self.show_progress and ranks.leader))
@@ -518,9 +673,12 @@ class Worker:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss_value:.3f}", outer=opt.outer_step)
 
-                if opt.outer_step != synced_before and opt.outer_step % cfg.checkpoint_every == 0:
-                    self._save_checkpoint(f"outer step {opt.outer_step}")
                 if opt.outer_step != synced_before:
+                    syncs += 1  # a catch-up that jumped several outer steps is one sync of this peer
+                    self.report.syncs = syncs
+                    self._after_commit(batches, opt)  # on every rank: it may move to another shard
+                    if opt.outer_step % cfg.checkpoint_every == 0:
+                        self._save_checkpoint(f"outer step {opt.outer_step}")
                     eval_started = time.perf_counter()
                     eval_loss = self._evaluate(model, held_out, device)  # on every rank: a sharded forward
                     eval_s = time.perf_counter() - eval_started
@@ -528,14 +686,16 @@ class Worker:
                     self.report.outer_steps = opt.outer_step
                     self.report.final_eval_loss = eval_loss
                     if ranks.leader:
-                        publish_cursor(self._dht, self.config.run_id, batches.state_dict(), opt.outer_step)
                         self._report_round(opt.history[-1], batches, eval_loss, eval_s)
                 log_due = time.monotonic() - last_log >= cfg.log_interval_s or opt.outer_step != synced_before
                 if ranks.leader and log_due:
                     self._log_line(opt, loss_value)
                     last_log = time.monotonic()
-                if max_outer and opt.outer_step >= max_outer:
+                if max_syncs and syncs >= max_syncs:
                     self.report.stopped_by = "max_outer_steps"
+                    break
+                if until is not None and opt.outer_step >= until:
+                    self.report.stopped_by = "until_outer_step"
                     break
         finally:
             bar.close()

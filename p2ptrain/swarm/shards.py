@@ -1,20 +1,26 @@
-"""Claiming a data shard that no other live peer of the run trains on.
+"""Claiming a data shard that no other live peer of the run trains on, and moving on when it is done.
 
-There is no coordinator: a peer reads the live peers' progress records (each carries its shard), takes the lowest
-free shard, publishes its claim and waits ``settle_s`` for concurrent claims to show up. Two peers that claimed
-the same shard at the same moment both see the conflict; the one with the larger peer id moves on. A claim lives as
-long as the peer keeps refreshing its progress record, so a crashed peer's shard frees itself when that expires.
+There is no coordinator: a peer reads the live peers' progress records (each carries its shard), takes the least
+seen free shard (the lowest index among equals), publishes its claim and waits ``settle_s`` for concurrent claims
+to show up. Two peers that claimed the same shard at the same moment both see the conflict; the one with the larger
+peer id moves on. A claim lives as long as the peer keeps refreshing its progress record, so a crashed peer's shard
+frees itself when that expires.
 
 Each shard's owner also publishes a ``ShardCursor`` after every committed round: where in the shard its training
-has got to. A peer that takes the shard over (its owner left or died) continues from there, so the samples that
-already reached the swarm's parameters are not trained on again and none are skipped.
+has got to (for a shard it left since the previous round, where it left it). A peer that takes the shard over (its
+owner left or died) continues from there, so the samples that already reached the swarm's parameters are not
+trained on again and none are skipped. When a peer completes a pass over its shard it moves to the least seen shard
+that no other live peer claims (``pick_next_shard``): the live peers together go through all of the data, whatever
+their number, before any shard is seen twice. ``coverage`` sums the cursors up for ``p2ptrain status``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
-from typing import Optional
+from collections import Counter
+from typing import Dict, Iterable, Optional, Set
 
 import hivemind
 from google.protobuf.message import DecodeError
@@ -35,9 +41,11 @@ def claim_shard(
     settle_s: float = 2.0,
     max_rounds: int = 20,
 ) -> int:
-    """Claim a shard in [0, num_shards) and return it. Falls back to sharing a shard (with a warning) if all
-    are taken, since training on overlapping data beats refusing to train."""
+    """Claim a shard in [0, num_shards) and return it: the least seen (by the published cursors) of those no live
+    peer claims, the lowest index among equals. Falls back to sharing a shard (with a warning) if all are taken,
+    since training on overlapping data beats refusing to train."""
     me = dht.peer_id.to_base58()
+    seen = shard_progress(fetch_cursors(dht, run_id).values(), num_shards)
     for _ in range(max_rounds):
         owners: dict[int, str] = {}
         for record in fetch_progress(dht, run_id):
@@ -47,7 +55,7 @@ def claim_shard(
         mine = publisher.shard_index
         if mine is not None and (mine not in owners or me < owners[mine]):
             return mine  # published at least settle_s ago and nobody with priority claims it
-        free = [i for i in range(num_shards) if i not in owners]
+        free = sorted((i for i in range(num_shards) if i not in owners), key=lambda i: (seen.get(i, 0.0), i))
         if not free:
             shared = int.from_bytes(dht.peer_id.to_bytes()[-4:], "big") % num_shards
             logger.warning(
@@ -89,19 +97,30 @@ def publish_cursor(dht: hivemind.DHT, run_id: str, data_state: dict, outer_step:
               subkey=data_state["shard_index"], return_future=True)
 
 
-def fetch_cursor(dht: hivemind.DHT, run_id: str, shard_index: int, timeout_s: float = 10.0) -> Optional[ShardCursor]:
-    """The last published cursor of a shard, or None (none yet, unreadable: logged and ignored)."""
+def fetch_cursors(dht: hivemind.DHT, run_id: str, timeout_s: float = 10.0) -> Dict[int, ShardCursor]:
+    """Every shard's last published cursor (shard index -> cursor); unreadable ones are logged and left out, and a
+    failed lookup (logged) gives none."""
     try:
         found = dht.get(cursor_key(run_id), latest=True, return_future=True).result(timeout=timeout_s)
     except Exception as e:
         logger.warning(f"Could not read the data cursors of run {run_id!r} from the DHT: {e!r}")
-        return None
+        return {}
     if found is None or not isinstance(found.value, dict):
-        return None
-    entry = found.value.get(shard_index)
-    if entry is None:
-        return None
-    return parse_cursor(entry, run_id, shard_index)
+        return {}
+    cursors = {}
+    for subkey, entry in found.value.items():
+        if not isinstance(subkey, int) or isinstance(subkey, bool) or subkey < 0:
+            logger.warning(f"Ignoring a data cursor stored under the subkey {subkey!r}, which is no shard index")
+            continue
+        cursor = parse_cursor(entry, run_id, subkey)
+        if cursor is not None:
+            cursors[subkey] = cursor
+    return cursors
+
+
+def fetch_cursor(dht: hivemind.DHT, run_id: str, shard_index: int, timeout_s: float = 10.0) -> Optional[ShardCursor]:
+    """The last published cursor of a shard, or None (none yet, unreadable: logged and ignored)."""
+    return fetch_cursors(dht, run_id, timeout_s).get(shard_index)
 
 
 def parse_cursor(entry: object, run_id: str, shard_index: int) -> Optional[ShardCursor]:
@@ -131,4 +150,81 @@ def cursor_state(cursor: ShardCursor) -> dict:
         "num_shards": cursor.num_shards,
         "block_size": cursor.block_size,
         "samples_per_epoch": cursor.samples_per_epoch,
+    }
+
+
+def cursor_progress(cursor: ShardCursor) -> float:
+    """How far the swarm got through a shard, in passes: 1.5 is one full pass and half of the second."""
+    return cursor.epoch + min(cursor.position, cursor.samples_per_epoch) / max(cursor.samples_per_epoch, 1)
+
+
+def shard_progress(cursors: Iterable[ShardCursor], num_shards: int, max_outer_step: Optional[int] = None,
+                   layout: Optional[dict] = None) -> Dict[int, float]:
+    """Shard index -> passes seen, from the cursors of a run with ``num_shards`` shards. Cursors of another shard
+    count, or of another layout (``layout``: a ``ShardedBatches.state_dict()``, compared on seed and block size),
+    or from a later outer step than ``max_outer_step`` (an earlier run under the same run id), are left out."""
+    progress = {}
+    for cursor in cursors:
+        if cursor.num_shards != num_shards or cursor.shard_index >= num_shards:
+            continue
+        if layout is not None and (cursor.seed, cursor.block_size) != (layout["seed"], layout["block_size"]):
+            continue
+        if max_outer_step is not None and cursor.outer_step > max_outer_step:
+            continue
+        progress[cursor.shard_index] = max(progress.get(cursor.shard_index, 0.0), cursor_progress(cursor))
+    return progress
+
+
+def _tie_break(peer_id: str, shard_index: int) -> bytes:
+    # each peer orders equally seen shards its own (fixed) way, so peers that finish at the same moment rarely pick
+    # the same one; a conflict that does happen is settled after the next round (the larger peer id moves on)
+    return hashlib.blake2b(f"{peer_id}/{shard_index}".encode(), digest_size=8).digest()
+
+
+def pick_next_shard(num_shards: int, progress: Dict[int, float], claimed: Set[int], peer_id: str) -> Optional[int]:
+    """The shard a peer should go on with: the least seen (``progress``: shard -> passes, absent = unseen) of those
+    not in ``claimed`` (the other live peers' shards), so no shard gets a second pass before every free one had its
+    first. Between equally seen shards, an order of the peer's own. None if every shard is claimed."""
+    free = [i for i in range(num_shards) if i not in claimed]
+    if not free:
+        return None
+    return min(free, key=lambda i: (progress.get(i, 0.0), _tie_break(peer_id, i)))
+
+
+def coverage(cursors: Iterable[ShardCursor], num_shards: Optional[int] = None,
+             max_outer_step: Optional[int] = None) -> Optional[dict]:
+    """How much of the corpus the swarm's parameters have seen, from the shard cursors: ``fraction_seen`` (samples
+    trained on at least once / all samples), ``shards_complete`` (shards with a full pass), ``passes`` (the fewest
+    full passes over any shard), ``num_shards``, ``samples_seen`` and ``samples_total``. ``num_shards`` defaults to
+    the most common among the cursors; a shard without a cursor is unseen, its size taken as the mean of the known
+    ones (shards differ by at most one sample). None when there is no cursor to go by."""
+    cursors = list(cursors)
+    if num_shards is None:
+        counts = Counter(c.num_shards for c in cursors if c.num_shards > 0)
+        if not counts:
+            return None
+        num_shards = counts.most_common(1)[0][0]
+    best: Dict[int, ShardCursor] = {}
+    for cursor in cursors:
+        if cursor.num_shards != num_shards or cursor.shard_index >= num_shards or cursor.samples_per_epoch == 0:
+            continue
+        if max_outer_step is not None and cursor.outer_step > max_outer_step:
+            continue
+        held = best.get(cursor.shard_index)
+        if held is None or cursor_progress(cursor) > cursor_progress(held):
+            best[cursor.shard_index] = cursor
+    if not best:
+        return None
+    sizes = [c.samples_per_epoch for c in best.values()]
+    mean_size = sum(sizes) / len(sizes)
+    seen = sum(c.samples_per_epoch if c.epoch >= 1 else min(c.position, c.samples_per_epoch) for c in best.values())
+    total = sum(sizes) + mean_size * (num_shards - len(best))
+    complete = sum(c.epoch >= 1 for c in best.values())
+    return {
+        "num_shards": num_shards,
+        "fraction_seen": seen / total if total else 0.0,
+        "shards_complete": complete,
+        "passes": min(c.epoch for c in best.values()) if len(best) == num_shards else 0,
+        "samples_seen": seen,
+        "samples_total": round(total),
     }

@@ -263,7 +263,7 @@ def test_join_checkpoints_and_resumes_on_another_number_of_ranks(tmp_path):
             "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1"]
     reports = []
     for i, (ranks, outer_steps) in enumerate([(2, 2), (2, 3), (1, 4), (2, 5)]):
-        run = p2ptrain("join", *args, "--nproc-per-node", str(ranks), "--max-outer-steps", str(outer_steps),
+        run = p2ptrain("join", *args, "--nproc-per-node", str(ranks), "--until-outer-step", str(outer_steps),
                        *(["--resume"] if i else []), "--report", str(tmp_path / f"{i}.json"), timeout=240)
         assert run.returncode == 0, run.stderr[-4000:]
         reports.append(json.loads((tmp_path / f"{i}.json").read_text()))

@@ -25,7 +25,7 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     assert (tmp_path / "ckpt" / "resume.pt").is_file()
     before = json.loads((tmp_path / "first.json").read_text())
 
-    second = lone_join(tmp_path, "second.json", "--max-outer-steps", "4", "--resume")
+    second = lone_join(tmp_path, "second.json", "--until-outer-step", "4", "--resume")
     assert second.returncode == 0, second.stderr
     after = json.loads((tmp_path / "second.json").read_text())
     assert "resumed from the checkpoint at outer step 2, local step 10" in second.stderr
@@ -34,6 +34,19 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     assert after["shard_index"] == before["shard_index"] == 3
     assert [r["outer_step"] for r in after["rounds"]] == [3, 4]
     assert after["outer_steps"] == 4 and after["local_steps"] == 20
+    assert after["stopped_by"] == "until_outer_step" and after["syncs"] == 2
+
+    # --max-outer-steps counts this run's syncs, wherever the checkpoint left the peer
+    third = lone_join(tmp_path, "third.json", "--max-outer-steps", "2", "--resume")
+    assert third.returncode == 0, third.stderr
+    last = json.loads((tmp_path / "third.json").read_text())
+    assert [r["outer_step"] for r in last["rounds"]] == [5, 6]
+    assert last["syncs"] == 2 and last["stopped_by"] == "max_outer_steps"
+    # a peer already at or past --until-outer-step leaves without training
+    done = lone_join(tmp_path, "done.json", "--until-outer-step", "5", "--resume")
+    assert done.returncode == 0, done.stderr
+    assert "already at outer step 6, at or past --until-outer-step 5: leaving without training" in done.stderr
+    assert json.loads((tmp_path / "done.json").read_text())["rounds"] == []
 
 
 @pytest.mark.parametrize(

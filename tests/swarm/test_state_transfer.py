@@ -21,8 +21,8 @@ ARGS = ["--local-steps", "20", "--num-shards", "4", "--matchmaking-time", "2", "
 def test_two_simultaneous_newcomers_resume_past_a_dying_donor(tmp_path):
     boot, maddr = start_bootstrap(tmp_path)
     procs = {
-        0: start_worker(tmp_path, 0, maddr, "transfer", *ARGS, "--shard-index", "0", "--max-outer-steps", "6"),
-        1: start_worker(tmp_path, 1, maddr, "transfer", *ARGS, "--shard-index", "1", "--max-outer-steps", "6",
+        0: start_worker(tmp_path, 0, maddr, "transfer", *ARGS, "--shard-index", "0", "--until-outer-step", "6"),
+        1: start_worker(tmp_path, 1, maddr, "transfer", *ARGS, "--shard-index", "1", "--until-outer-step", "6",
                         env={"P2PTRAIN_FAULT": "kill-mid-state-transfer:2"}),
     }
     try:
@@ -30,7 +30,7 @@ def test_two_simultaneous_newcomers_resume_past_a_dying_donor(tmp_path):
                    procs=[(f"worker {i}", proc) for i, proc in procs.items()])
         for i in (2, 3):  # at the same moment
             procs[i] = start_worker(tmp_path, i, maddr, "transfer", *ARGS, "--shard-index", str(i),
-                                    "--max-outer-steps", "6")
+                                    "--until-outer-step", "6")
         assert procs[1].wait(timeout=60) < 0, "the faulty donor should have died while serving its state"
         assert "fault injection: dying after serving 2 state chunks" in (tmp_path / "w1.log").read_text()
         del procs[1]

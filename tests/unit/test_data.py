@@ -14,6 +14,7 @@ from p2ptrain.data import (
     eval_batches,
     evaluate,
     load_corpus,
+    phase_shortfall,
     split_train_val,
 )
 from p2ptrain.model import build_model
@@ -207,12 +208,82 @@ def test_resuming_from_state_dict_gives_the_same_next_batches(k):
         assert torch.equal(x_old, x_new) and torch.equal(y_old, y_new)
 
 
-def test_state_dict_from_another_shard_is_refused():
+def test_state_dict_of_another_shard_moves_the_iterator_there():
     data = _random_bytes(3000)
     a = ShardedBatches(data, block_size=16, batch_size=4, shard_index=0, num_shards=2)
     b = ShardedBatches(data, block_size=16, batch_size=4, shard_index=1, num_shards=2)
-    with pytest.raises(ValueError, match="shard_index"):
-        b.load_state_dict(a.state_dict())
+    for _ in range(3):
+        next(a)
+    b.load_state_dict(a.state_dict())
+    assert b.shard_index == 0 and b.shard_range == a.shard_range
+    assert b.left_shards == {1: {**a.state_for(1), "epoch": 0, "position": 0}}  # where it left shard 1
+    for _ in range(20):
+        assert torch.equal(next(a)[0], next(b)[0])
+    other_layout = ShardedBatches(data, block_size=16, batch_size=4, shard_index=0, num_shards=3)
+    with pytest.raises(ValueError, match="num_shards"):
+        b.load_state_dict(other_layout.state_dict())
+    with pytest.raises(ValueError, match="shard 5"):
+        b.load_state_dict({**a.state_dict(), "shard_index": 5})
+
+
+def _sample_starts(data: bytes, x: torch.Tensor) -> list:
+    return [data.find(bytes(row.tolist())) for row in x]
+
+
+def test_at_the_end_of_a_pass_the_iterator_moves_to_the_shard_it_is_told_mid_batch():
+    data = _random_bytes(4000)
+    finished = []
+
+    def next_shard(state: dict):
+        finished.append(state)
+        return batches.state_for(2, epoch=0, position=3) if state["shard_index"] == 0 else None
+
+    batches = ShardedBatches(data, block_size=16, batch_size=5, shard_index=0, num_shards=4, seed=1,
+                             on_epoch_end=next_shard)
+    n = batches.samples_per_epoch  # 62 samples of shard 0: the 13th batch straddles the end of its pass
+    assert n % 5
+    rows = torch.cat([next(batches)[0] for _ in range(n // 5 + 1)])
+    assert finished == [batches.state_for(0, epoch=1, position=0)]
+    assert batches.left_shards == {0: batches.state_for(0, epoch=1, position=0)}
+    assert (batches.shard_index, batches.epoch, batches.position) == (2, 0, 3 + 5 - n % 5)
+    starts = _sample_starts(data, rows)
+    shard0 = ShardedBatches(data, block_size=16, batch_size=5, shard_index=0, num_shards=4, seed=1)
+    assert starts[:n] == shard0.window_offsets(0).tolist()  # every sample of shard 0 once, in its order
+    shard2 = ShardedBatches(data, block_size=16, batch_size=5, shard_index=2, num_shards=4, seed=1)
+    assert starts[n:] == shard2.window_offsets(0)[3 : 3 + 5 - n % 5].tolist()  # then shard 2 from sample 3
+    # a shard that stays (the callback says None) starts its next pass, as without a callback
+    for _ in range(shard2.samples_per_epoch // 5 + 1):
+        next(batches)
+    assert batches.shard_index == 2 and batches.epoch == 1 and finished[-1]["shard_index"] == 2
+
+
+def test_a_moved_iterator_resumes_exactly_from_its_state_dict():
+    data = _random_bytes(4000)
+    moving = ShardedBatches(data, block_size=16, batch_size=7, shard_index=3, num_shards=4,
+                            on_epoch_end=lambda state: moving.state_for((state["shard_index"] + 1) % 4))
+    for _ in range(30):  # through several shards
+        next(moving)
+    assert len(moving.left_shards) >= 2
+    fresh = ShardedBatches(data, block_size=16, batch_size=7, shard_index=3, num_shards=4,
+                           on_epoch_end=lambda state: fresh.state_for((state["shard_index"] + 1) % 4))
+    fresh.load_state_dict(moving.state_dict())
+    for _ in range(30):
+        assert torch.equal(next(moving)[0], next(fresh)[0])
+
+
+def test_a_shard_smaller_than_one_inner_phase_is_a_warning_naming_the_numbers():
+    assert phase_shortfall(1_000_000, 16, 64, local_steps=50, batch_size=16) is None  # 976 samples >= 800
+    # the built-in corpus with every default: the whole of it is less than one phase
+    assert phase_shortfall(393_804, 16, 64, local_steps=500, batch_size=16, shard_index=3) == (
+        "data shard 3 holds 384 samples (393804 bytes of training text in 16 shards, 64-byte samples), fewer than "
+        "one inner phase trains on (local_steps 500 x batch_size 16 = 8000 samples); the whole training text "
+        "(6144 samples) is less than one phase: use more data, or fewer samples per phase (--local-steps, "
+        "--batch-size)")
+    assert phase_shortfall(2_000_000, 16, 64, local_steps=200, batch_size=16) == (
+        "data shard 0 holds 1953 samples (2000000 bytes of training text in 16 shards, 64-byte samples), fewer than "
+        "one inner phase trains on (local_steps 200 x batch_size 16 = 3200 samples); use fewer shards "
+        "(--num-shards 9, the same on every peer), more data, or fewer samples per phase (--local-steps, "
+        "--batch-size)")
 
 
 def test_a_shard_too_small_for_one_sample_is_a_data_error():
