@@ -181,12 +181,17 @@ RUN_OPTIONS: List[Tuple[str, str, Dict[str, Any]]] = [
           help="Pseudo-gradients on the wire: fp32, fp16, bf16 (2 bytes/value) or int8 (~1 byte/value, with error "
                "feedback).")),
     ("--matchmaking-time", "diloco.matchmaking_time_s",
-     dict(type=float, help="Seconds peers look for each other before a round.")),
+     dict(type=float, help="Seconds a round looks for peers that no progress record announces; a round whose "
+                           "announced peers are all in starts at once.")),
+    ("--late-peer-wait", "diloco.late_peer_wait_s",
+     dict(type=click.FloatRange(min=0),
+          help="Seconds a round waits for live peers still in their inner steps once another is ready "
+               "[default: a quarter of an inner phase, at least --matchmaking-time].")),
     ("--averaging-timeout", "diloco.averaging_timeout_s",
      dict(type=float, help="Seconds the all-reduce may take once a group formed.")),
     ("--min-group-size", "diloco.min_group_size", dict(type=click.IntRange(min=1), help="Peers a round needs.")),
     ("--target-group-size", "diloco.target_group_size",
-     dict(type=click.IntRange(min=1), help="Most peers per group; a full group starts at once.")),
+     dict(type=click.IntRange(min=1), help="Most peers per group [default: every live peer of the round].")),
     ("--no-group-policy", "diloco.no_group_policy",
      dict(type=click.Choice(list(NO_GROUP_POLICIES)), help="What to do when nobody is there to average with.")),
     ("--model", "train.model", dict(help="Built-in model size: tiny, small, 124m.")),
@@ -558,13 +563,17 @@ def health(health_file: str, max_age: float) -> None:
               help="Folder for report.md, report.json, plots and the daemons' logs.")
 @click.option("--behind-nat", "behind_nat", type=click.IntRange(min=0), multiple=True, default=[0], show_default=True,
               help="Put this many of the workers behind NAT routers of their own (repeatable, to compare).")
+@click.option("--grouping", "groupings", type=click.Choice(["pinned", "defaults"]), multiple=True,
+              default=["pinned"], show_default=True,
+              help="pinned: every round holds all the peers (--target-group-size etc. set to the peers); defaults: "
+                   "the workers get none of those flags, as a user's (repeatable, to compare).")
 @click.option("--loopback", is_flag=True, help="No namespaces or rate limit, even as root.")
 @click.option("--clean", "clean_only", is_flag=True, help="Remove namespaces a killed benchmark left, then exit.")
 @click.option("--convergence", "convergence_steps", type=click.IntRange(min=1), multiple=True,
               help="Instead: the convergence experiment at this many inner steps (repeatable): alone, data-parallel "
                    "with --peers x the batch, DiLoCo per --local-steps and --compression, and the real swarm.")
-def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, batch_size, out, behind_nat, loopback,
-          clean_only, convergence_steps) -> None:
+def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, batch_size, out, behind_nat, groupings,
+          loopback, clean_only, convergence_steps) -> None:
     """Benchmark real swarms over rate-limited links (one network namespace per peer; root needed, else
     loopback): compute utilization, bytes on the wire, sync seconds against the bandwidth bound, eval loss."""
     from pathlib import Path
@@ -596,7 +605,7 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
     try:
         report = run_bench(models=models, peers=peers, rates_mbit=rates, local_steps=local_steps, phases_s=phases,
                            outer_steps=outer_steps, compressions=compressions, batch_size=batch_size, out=Path(out),
-                           loopback=loopback, behind_nat=behind_nat, echo=click.echo)
+                           loopback=loopback, behind_nat=behind_nat, groupings=groupings, echo=click.echo)
     except KeyboardInterrupt:
         click.echo(f"interrupted: the namespaces are removed; figures so far in {out}/report.md", err=True)
         sys.exit(130)

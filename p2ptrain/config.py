@@ -101,15 +101,21 @@ class DiLoCoConfig:
     """pseudo-gradients on the wire: "fp16" (half the bytes), "bf16" (half, fp32's range, coarser), "int8" (a
     quarter, per-block scales, with error feedback) or "none" (fp32)"""
     matchmaking_time_s: float = 5.0
-    """how long peers look for each other before a round; raise it on slow links or if groups split"""
+    """how long a round looks for peers beyond those the live peers' progress records announce (a round whose
+    announced peers are all in starts at once); raise it on slow links or if groups split"""
+    late_peer_wait_s: Optional[float] = None
+    """how long a round waits for live peers of its outer step still in their inner steps, once another peer is
+    ready; unset: a quarter of this peer's last inner phase, at least matchmaking_time_s. A peer alone at the sync
+    point waits for the others while they make progress (a solo step would waste their inner steps)"""
     averaging_timeout_s: float = 60.0
     """how long the all-reduce may take once a group formed; raise it for big models on slow links"""
     min_group_size: int = 2
     """a round needs at least this many peers"""
     target_group_size: Optional[int] = None
-    """at most this many peers per group; a full group starts without waiting out matchmaking_time_s"""
+    """at most this many peers per group; unset: every live peer of the round's outer step"""
     no_group_policy: str = "apply_local"
-    """when nobody is there to average with: "apply_local" (own pseudo-gradient) or "wait" (look again)"""
+    """when no group forms: "apply_local" (own pseudo-gradient, only when no other live peer is at this outer
+    step or those that are refuse to group) or "wait" (look again until a group forms)"""
 
 
 @dataclass
@@ -266,6 +272,8 @@ def validate(config: RunConfig) -> None:
          f"diloco.compression {d.compression!r} is unknown; use one of: {', '.join(COMPRESSION_NAMES)}")
     need(d.matchmaking_time_s > 0 and math.isfinite(d.matchmaking_time_s),
          f"diloco.matchmaking_time_s must be a positive number of seconds, got {d.matchmaking_time_s}")
+    need(d.late_peer_wait_s is None or (d.late_peer_wait_s >= 0 and math.isfinite(d.late_peer_wait_s)),
+         f"diloco.late_peer_wait_s must be a non-negative number of seconds, got {d.late_peer_wait_s}")
     need(d.averaging_timeout_s > 0, f"diloco.averaging_timeout_s must be positive, got {d.averaging_timeout_s}")
     need(d.min_group_size >= 1, f"diloco.min_group_size must be at least 1, got {d.min_group_size}")
     need(d.target_group_size is None or d.target_group_size >= d.min_group_size,
