@@ -1,11 +1,55 @@
-"""Fixtures shared by every test: a reaper for the processes a test leaves behind."""
+"""Fixtures shared by every test: a reaper for the processes a test leaves behind, and a check that the suite
+leaves no files in the working tree."""
 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+from pathlib import Path
+from typing import List, Optional
 
 import psutil
 import pytest
+
+
+def _tree_status(root: Path) -> Optional[List[str]]:
+    """``git status --porcelain`` of the checkout holding ``root`` (untracked files one by one); None outside one."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=root,
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.splitlines() if out.returncode == 0 else None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # once per run, not in each xdist worker; P2PTRAIN_TREE_CHECK=0 turns it off where people edit the same
+    # checkout while the tests run (their new files would count)
+    if not hasattr(session.config, "workerinput") and os.environ.get("P2PTRAIN_TREE_CHECK", "1") != "0":
+        session.config._p2ptrain_tree_before = _tree_status(session.config.rootpath)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if a test wrote into the working tree (logs, reports, benchmark output): 30 such files were once
+    committed by accident. Files that .gitignore names do not count."""
+    before = getattr(session.config, "_p2ptrain_tree_before", None)
+    if before is None:
+        return
+    after = _tree_status(session.config.rootpath) or []
+    new = [entry for entry in after if entry not in set(before)]
+    if not new:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = [f"the tests left {len(new)} new entr{'y' if len(new) == 1 else 'ies'} in the working tree (write to "
+             "tmp_path, or add the path to .gitignore if it is meant to be there):", *(f"  {e}" for e in new)]
+    for line in lines:
+        if reporter is not None:
+            reporter.write_line(line, red=True)
+        else:
+            print(line)
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def _is_torch_helper(proc: psutil.Process) -> bool:
