@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Callable, List, Tuple
 
 import psutil
 
@@ -33,14 +34,30 @@ def leave_process_group() -> None:
         pass
 
 
+_forced_exit_callbacks: List[Tuple[int, Callable[[], None]]] = []
+
+
+def on_forced_exit(callback: Callable[[], None]) -> None:
+    """Call ``callback`` if :func:`follow_parent` ends this process: its os._exit skips atexit and multiprocessing's
+    finalizers, so clean-up that must happen anyway (files in /tmp) registers here too."""
+    _forced_exit_callbacks.append((os.getpid(), callback))
+
+
 def follow_parent(poll_s: float = POLL_S) -> None:
-    """In a child process: exit (after stopping this process's own children) as soon as the parent is gone."""
+    """In a child process: exit (after stopping this process's own children and calling its
+    :func:`on_forced_exit` callbacks) as soon as the parent is gone."""
     parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(poll_s)
         stop_descendants()
+        for pid, callback in list(_forced_exit_callbacks):
+            if pid == os.getpid():  # a forked child inherits the list, not the parent's files
+                try:
+                    callback()
+                except Exception:  # leaving matters more than tidying up
+                    pass
         os._exit(1)
 
     threading.Thread(target=watch, name="p2ptrain-follow-parent", daemon=True).start()

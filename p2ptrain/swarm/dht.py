@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing.util
+import os
 import shutil
 import tempfile
 import time
+from contextlib import suppress
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence
 
 import hivemind
 from hivemind.p2p import P2P, P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2ptrain.config import SwarmConfig  # noqa: F401 (it lived here; importers may still use this path)
-from p2ptrain.lifeline import follow_parent, leave_process_group
+from p2ptrain.lifeline import follow_parent, leave_process_group, on_forced_exit
 from p2ptrain.swarm.admission import SwarmRefused, check_admission, serve_admission
 from p2ptrain.swarm.reachability import MODES, Reachability, SwarmUnreachable, decide, serve_probes
 from p2ptrain.security import (KeyFileError, PeerSignatureValidator, SwarmAuth, SwarmKeyValidator,
@@ -78,11 +81,64 @@ class FollowingDHT(hivemind.DHT):
     auth: SwarmAuth = SwarmAuth()
     reachability: Reachability = Reachability(False, "")
     _identity_dir: Optional[str] = None
+    _socket_paths: List[str] = []
+    """the unix sockets of the DHT process's P2P, learnt at start: stop_dht removes what the process left"""
 
     def run(self) -> None:
         leave_process_group()
         follow_parent()
-        super().run()
+        on_forced_exit(self._remove_own_sockets)
+        try:
+            super().run()
+        finally:  # hivemind removes them on a clean shutdown only
+            self._remove_own_sockets()
+
+    def _remove_own_sockets(self) -> None:
+        node = getattr(self, "_node", None)
+        if node is not None:
+            remove_files(p2p_socket_paths(node.p2p))
+
+    async def replicate_p2p(self) -> P2P:
+        """hivemind's replica of the DHT's P2P for this process (the averager's process takes one), whose client
+        socket is removed when this process exits: hivemind removes it only in P2P.shutdown or __del__, which a
+        multiprocessing child never reaches (it ends with os._exit), so each averager left one in /tmp."""
+        p2p = await super().replicate_p2p()
+        seen = _replicas_seen.setdefault(os.getpid(), set())
+        if id(p2p) not in seen:  # hivemind keeps one replica per process: register its clean-up once
+            seen.add(id(p2p))
+            # run by multiprocessing at the exit of its child processes and by atexit in a main process; by
+            # lifeline when a child follows its parent out
+            paths = p2p_socket_paths(p2p)
+            multiprocessing.util.Finalize(None, remove_files, args=(paths,), exitpriority=0)
+            on_forced_exit(lambda: remove_files(paths))
+        return p2p
+
+
+_replicas_seen: dict = {}
+"""pid -> ids of the P2P replicas whose sockets are already set to be removed at that process's exit"""
+
+
+def p2p_socket_paths(p2p: P2P) -> List[str]:
+    """The unix socket files a hivemind P2P made in /tmp (hivemind-p2pclient-*.sock: its client's listen socket,
+    made with the first handler; hivemind-p2pd-*.sock: the daemon's control socket, if this P2P started p2pd)."""
+    maddrs = [getattr(p2p, "_client_listen_maddr", None)]
+    if getattr(p2p, "_child", None) is not None:  # a replica's daemon socket belongs to the P2P that started p2pd
+        maddrs.append(getattr(p2p, "_daemon_listen_maddr", None))
+    paths = []
+    for maddr in maddrs:
+        with suppress(KeyError, TypeError, ValueError):
+            paths.append(maddr["unix"])
+    return paths
+
+
+def remove_files(paths: Iterable[str]) -> None:
+    for path in paths:
+        with suppress(OSError):
+            os.remove(path)
+
+
+async def _dht_socket_paths(_dht: hivemind.DHT, node) -> List[str]:
+    return p2p_socket_paths(node.p2p)
 
 
 def start_dht(config: SwarmConfig) -> hivemind.DHT:
@@ -155,6 +211,8 @@ def start_dht(config: SwarmConfig) -> hivemind.DHT:
         if initial_peers:
             raise SwarmError(_join_failure(initial_peers, reason)) from None
         raise SwarmError(f"could not start the DHT ({reason}); check --host-maddrs and --identity") from None
+    # stop_dht removes them if the DHT process cannot (terminated, or p2pd killed under it)
+    dht._socket_paths = dht.run_coroutine(_dht_socket_paths)
     if not reachability.client_mode:
         dht.run_coroutine(serve_probes)  # tell joining peers whether they can be dialled
     serve_admission(dht, auth)  # tell joining peers whether they hold this swarm's key
@@ -190,5 +248,8 @@ def stop_dht(dht: hivemind.DHT) -> None:
             dht.join(timeout=5)
     except (AssertionError, ValueError):
         pass  # never started
+    with suppress(AssertionError):  # is_alive asserts that this process started it
+        if not dht.is_alive():
+            remove_files(getattr(dht, "_socket_paths", []))
     if getattr(dht, "_identity_dir", None):
         shutil.rmtree(dht._identity_dir, ignore_errors=True)

@@ -1,0 +1,134 @@
+"""What a peer leaves on the host after it is gone: no processes (torch_shm_manager included), no sockets in /tmp.
+
+hivemind names its unix sockets /tmp/hivemind-p2pd-*.sock (p2pd's control socket) and /tmp/hivemind-p2pclient-*.sock
+(the listen socket of each process that serves handlers: the DHT process, the averager's). Other test runs on the
+host make and remove such files at the same time, so these tests follow the sockets and processes of their own
+peer (found through its process tree while it runs) rather than counting files in /tmp.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Dict, Set
+
+import psutil
+import pytest
+
+from p2ptrain.config import SwarmConfig
+from p2ptrain.swarm.dht import start_dht, stop_dht
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+SOCKET_PREFIX = "/tmp/hivemind-"
+
+
+def _sockets_of(proc: psutil.Process) -> Set[str]:
+    """hivemind's unix socket files that ``proc`` listens on or (p2pd) was told to make."""
+    try:
+        connections = getattr(proc, "net_connections", proc.connections)(kind="unix")
+        paths = {c.laddr for c in connections if isinstance(c.laddr, str) and c.laddr.startswith(SOCKET_PREFIX)}
+        for arg in proc.cmdline():
+            if arg.startswith("-listen=/unix" + SOCKET_PREFIX):
+                paths.add(arg.split("=", 1)[1][len("/unix"):])
+        return paths
+    except psutil.Error:
+        return set()
+
+
+def _tree(root: psutil.Process) -> list:
+    try:
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def test_a_dht_leaves_no_socket_files():
+    dht = start_dht(SwarmConfig(host_maddrs=[LOOPBACK]))
+    try:
+        me = psutil.Process()
+        paths = set().union(*(_sockets_of(p) for p in me.children(recursive=True)))
+    finally:
+        stop_dht(dht)
+    # the DHT process's client socket and p2pd's control socket
+    assert any("p2pclient" in p for p in paths) and any("p2pd" in p for p in paths), paths
+    left = sorted(p for p in paths if os.path.exists(p))
+    assert not left, f"stop_dht left hivemind sockets behind: {left}"
+
+
+LIBRARY_SCRIPT = textwrap.dedent("""
+    import os, sys
+    from functools import partial
+
+    import torch
+
+    from p2ptrain import DiLoCoOptimizer
+    from p2ptrain.config import SwarmConfig
+    from p2ptrain.swarm.dht import start_dht, stop_dht
+
+    dht = start_dht(SwarmConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    opt = DiLoCoOptimizer(model.parameters(), dht=dht, run_id="library", local_steps=2,
+                          inner_optimizer=partial(torch.optim.AdamW, lr=1e-2),
+                          outer_optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
+                          matchmaking_time_s=1.0)
+    for _ in range(4):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    print("outer steps", opt.outer_step, flush=True)
+    if sys.argv[1] == "close":
+        opt.close()
+        stop_dht(dht)
+    else:  # the script dies without any clean-up of its own (as under SIGKILL, or os._exit)
+        os._exit(0)
+""")
+
+
+@pytest.mark.parametrize("ending", ["close", "abrupt"])
+def test_a_library_script_leaves_no_process_or_socket(tmp_path: Path, ending: str):
+    """A script that trains with DiLoCoOptimizer and exits leaves nothing running: not its DHT, averager or p2pd,
+    nor the torch_shm_manager that torch starts for the first tensor shared through the file system (hivemind sets
+    that strategy), which lives while any process of the script still holds its connection."""
+    script = tmp_path / "train.py"
+    script.write_text(LIBRARY_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), ending], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=tmp_path)
+    root = psutil.Process(proc.pid)
+    seen: Dict[int, psutil.Process] = {}
+    names: Dict[int, str] = {}
+    sockets: Set[str] = set()
+    while proc.poll() is None:  # follow its processes and sockets while it runs (they are orphans after it exits)
+        for p in _tree(root)[1:]:
+            if p.pid not in seen:
+                try:
+                    names[p.pid] = p.name()
+                except psutil.Error:
+                    continue
+                seen[p.pid] = p
+            sockets |= _sockets_of(p)
+        time.sleep(0.2)
+    output = proc.stdout.read()
+    assert proc.returncode == 0 and "outer steps 2" in output, output
+    assert {"torch_shm_manager", "p2pd"} <= set(names.values()), names  # what this test is about did run
+
+    # the shared-memory manager leaves 2 s after its last client; the rest follow their parent within a second
+    _, alive = psutil.wait_procs(list(seen.values()), timeout=20)
+    leftover = []
+    for p in alive:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                leftover.append(f"{p.pid} {names[p.pid]} (parent {p.ppid()})")
+                p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    assert not leftover, f"the script left processes behind: {leftover}"
+    assert any("p2pclient" in s for s in sockets), sockets  # the averager's and the DHT's, at least
+    left = sorted(s for s in sockets if os.path.exists(s))
+    assert not left, f"the script left hivemind sockets behind: {left}"
