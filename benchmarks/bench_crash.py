@@ -65,7 +65,8 @@ def main() -> None:
                     env={"P2PTRAIN_FAULT": f"kill-mid-allreduce@{args.fault_step}:1"} if victim else None,
                 ))
             survivors = procs[1:-1]
-            with tqdm(total=len(survivors), desc="survivors finished", unit="peer") as bar:
+            # disable=None: no bar when stderr is not a terminal (a redraw every 0.1 s would fill a log file)
+            with tqdm(total=len(survivors), desc="survivors finished", unit="peer", disable=None) as bar:
                 died_at = None
                 while any(proc.poll() is None for proc in survivors):
                     if died_at is None and procs[-1].poll() is not None:
