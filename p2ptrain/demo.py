@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -108,7 +109,7 @@ def _follow(worker_procs, bootstrap_maddr: str, run_id: str, total_steps: int, s
     dht = start_dht(SwarmConfig(initial_peers=[bootstrap_maddr], host_maddrs=[LOOPBACK], reachability="client"))
     bar = tqdm(total=total_steps, desc="swarm", unit="step", file=sys.stdout, disable=not show_progress)
     best: dict = {}
-    last_line = time.monotonic()
+    last_line = -math.inf  # a first line at once, then one every interval_s
     try:
         while not stop.is_set() and any(p.poll() is None for p in worker_procs):
             for record in fetch_progress(dht, run_id, timeout_s=5):
