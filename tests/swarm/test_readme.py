@@ -14,6 +14,9 @@ Substitutions (README text -> what runs; each must still occur in README.md, or 
   the library snippet's ``outer_step == 100`` -> ``5``, ``"/data/my-corpus"`` -> a copy of the built-in corpus.
   ``--max-outer-steps 100`` is kept: each worker runs until ``status`` has listed it after a sync, then leaves on
   one SIGINT (the README's "Leaving"), which no timing can race, unlike a worker that leaves after a few syncs
+- slow tests only: ``--model 124m`` -> ``tiny``, ``--nproc-per-node 4`` -> ``2`` (CPU ranks, gloo), ``sudo `` dropped
+  (as root the benchmark uses network namespaces, otherwise loopback), ``--phase-s 60 --phase-s 180`` -> ``1``, ``2``.
+  These two (``@pytest.mark.slow``) run under ``make test-all`` only: .ci/run does not run slow tests
 - ``[--flag]`` -> the command is run both without and with the flag; ``...`` after ``p2ptrain CMD`` -> the flags
   of the README's first spelled-out ``p2ptrain CMD`` command (the "Train together across hosts" ones)
 - every command's environment adds ``P2PTRAIN_MODEL=tiny``, ``P2PTRAIN_LOCAL_STEPS=20`` (for commands that leave
