@@ -186,7 +186,7 @@ RUN_OPTIONS: List[Tuple[str, str, Dict[str, Any]]] = [
     ("--late-peer-wait", "diloco.late_peer_wait_s",
      dict(type=click.FloatRange(min=0),
           help="Seconds a round waits for live peers still in their inner steps once another is ready "
-               "[default: a quarter of an inner phase, at least --matchmaking-time].")),
+               "[default: an inner phase / the peers expected, at least --matchmaking-time].")),
     ("--averaging-timeout", "diloco.averaging_timeout_s",
      dict(type=float, help="Seconds the all-reduce may take once a group formed.")),
     ("--min-group-size", "diloco.min_group_size", dict(type=click.IntRange(min=1), help="Peers a round needs.")),
@@ -212,7 +212,7 @@ RUN_OPTIONS: List[Tuple[str, str, Dict[str, Any]]] = [
     ("--max-outer-steps", "train.max_outer_steps",
      dict(type=click.IntRange(min=1),
           help="Leave cleanly after taking part in this many syncs, counted from when this worker starts training "
-               "(a catch-up to the swarm counts as one); default: until stopped.")),
+               "(taking the swarm's state when left out of a round is not one); default: until stopped.")),
     ("--until-outer-step", "train.until_outer_step",
      dict(type=click.IntRange(min=1),
           help="Leave cleanly once the run's outer step (as this worker holds it) reaches N; a worker that joins or "

@@ -105,7 +105,8 @@ class DiLoCoConfig:
     announced peers are all in starts at once); raise it on slow links or if groups split"""
     late_peer_wait_s: Optional[float] = None
     """how long a round waits for live peers of its outer step still in their inner steps, once another peer is
-    ready; unset: a quarter of this peer's last inner phase, at least matchmaking_time_s. A peer alone at the sync
+    ready; unset: this peer's last inner phase / the peers expected (the break-even between idling the ready
+    peers and throwing the late one's phase away), at least matchmaking_time_s. A peer alone at the sync
     point waits for the others while they make progress (a solo step would waste their inner steps)"""
     averaging_timeout_s: float = 60.0
     """how long the all-reduce may take once a group formed; raise it for big models on slow links"""
@@ -145,8 +146,9 @@ class TrainConfig:
     device: str = "auto"
     """auto, cpu or cuda (bf16 autocast on CUDA)"""
     max_outer_steps: Optional[int] = None
-    """leave cleanly after taking part in this many syncs (outer steps committed during this peer's training; a
-    catch-up that took the swarm's state counts as one), wherever the swarm was when it joined; unset: no limit"""
+    """leave cleanly after taking part in this many syncs (rounds this peer averaged in, or stepped alone in; taking
+    the swarm's state after it was left out of a round is not one), wherever the swarm was when it joined; unset:
+    no limit"""
     until_outer_step: Optional[int] = None
     """leave cleanly once the swarm's outer step that this peer holds reaches this number (an absolute step of the
     run: a peer that joins or resumes at or past it leaves without training); unset: no limit"""

@@ -140,7 +140,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
       round whose announced peers are all in starts at once. Raise it if peers that are plainly alive end up in
       separate groups (slow links, large swarms)
     :param late_peer_wait_s: how long a round waits for live peers of this outer step that have not reached the
-      sync point yet, once another peer is ready to average (None: a quarter of this peer's last inner phase, at
+      sync point yet, once another peer is ready to average (None: this peer's last inner phase / the peers expected, at
       least ``matchmaking_time_s``). A peer alone at the sync point waits for the others as long as they make
       progress: a solo outer step would make all of their inner steps worthless
     :param averaging_timeout_s: how long the all-reduce itself may take once a group formed; raise it for large
@@ -219,7 +219,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.local_steps = local_steps
         self.matchmaking_time_s, self.averaging_timeout_s = matchmaking_time_s, averaging_timeout_s
         self.late_peer_wait_s = late_peer_wait_s
-        self.target_group_size = target_group_size
+        self.target_group_size, self.min_group_size = target_group_size, min_group_size
         self._phase_started = time.monotonic()  # when this peer's current inner phase began (late_peer_wait_s)
         self.no_group_policy = no_group_policy
         self.batch_size = batch_size
@@ -481,6 +481,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def _catch_up_and_join(self, started: float, attempts: int) -> Optional[SyncRecord]:
         if not self.load_state_from_peers(timeout_s=self.averaging_timeout_s):
             return None
+        if not self._donor_in_round:
+            self._fast_forward()
         if self._donor_in_round:
             # The donors' state is from before the round they are running now. Without joining it, this peer (now
             # in phase with them) would sync exactly when they do next time, find them one step ahead, download
@@ -489,6 +491,21 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             if joined is not None:
                 return joined
         return self._record(started, None, attempts, caught_up=True)
+
+    def _fast_forward(self) -> None:
+        """After taking the state mid-phase: the donors trained on while it downloaded (and it may be slower to start
+        training again). Skip the inner steps they are ahead by, so that this peer reaches the sync point with them
+        instead of late, where the round would wait for it or leave it out again; its pseudo-gradient then holds
+        fewer inner steps (the norm check scales with them)."""
+        me = self.dht.peer_id.to_base58()
+        steps = [r.local_step for r in fetch_progress(self.dht, self.run_id, timeout_s=5.0)
+                 if r.peer_id != me and r.outer_step == self.outer_step]
+        next_sync = (self.local_step // self.local_steps + 1) * self.local_steps
+        target = min(max(steps, default=-1), next_sync - 1)
+        if target > self.local_step:
+            logger.info(f"{self._tag()} the swarm is {target - self.local_step} inner step(s) further in this phase "
+                        "than the state it took: skipping them, to reach the sync point together")
+            self.local_step = target
 
     def _join_round_in_progress(self, started: float) -> Optional[SyncRecord]:
         """One attempt to join the round the swarm is running, with zeros and weight 0: this peer adds nothing to
@@ -555,7 +572,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         Under "wait" it never goes on alone."""
         attempts, incomplete_retries, unjoinable = 0, 0, 0
         excluded: set = set()  # members that failed a round of this sync: not waited for again
-        late_deadline = time.monotonic() + self._late_peer_wait_s()
+        late_deadline = None  # set at the first look, from how many peers are expected
         last_moved: Dict[str, tuple] = {}  # late peer -> (its local step, when we first saw it there)
         while not self._interrupted.is_set():
             outlook = self.round_outlook(excluded)
@@ -566,7 +583,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 if last_moved.get(peer, (None,))[0] != local_step:
                     last_moved[peer] = (local_step, now)
             late = [peer for peer in outlook.late if now - last_moved[peer][1] < LATE_PEER_STALL_S]
-            if not outlook.ready and not late and not single_attempt and self.no_group_policy == "apply_local":
+            if late_deadline is None:
+                late_deadline = now + self._late_peer_wait_s(1 + len(outlook.ready) + len(late))
+            alone = not outlook.ready and not late and not single_attempt and self.no_group_policy == "apply_local"
+            # ... but a new swarm's first round looks once: its peers may still be starting (no record yet)
+            if alone and (self.outer_step > 0 or attempts > 0):
                 if attempts == 0:
                     logger.info(f"{self._tag()} no other live peer is at outer step {self.outer_step}: not "
                                 "looking for a group")
@@ -610,10 +631,13 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             )
         return None, attempts
 
-    def _late_peer_wait_s(self) -> float:
+    def _late_peer_wait_s(self, expected: int) -> float:
+        """How long the ready peers wait for late ones. Waiting t seconds idles the ready peers, (expected - 1) * t
+        compute-seconds; leaving a late peer out throws away its phase so far, about phase - t: so the default waits
+        up to a phase / expected (the break-even), and at least the matchmaking window."""
         if self.late_peer_wait_s is not None:
             return self.late_peer_wait_s
-        return max(self.matchmaking_time_s, 0.25 * (time.monotonic() - self._phase_started))
+        return max(self.matchmaking_time_s, (time.monotonic() - self._phase_started) / max(expected, 2))
 
     def _plan_round(self, ready: List[str], late: List[str], late_left_s: float) -> tuple[Optional[int], float]:
         """(target group size, matchmaking window) for one attempt. The group starts the moment it holds every
@@ -625,6 +649,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             target, window_s = (1 + len(ready) if ready else None), self.matchmaking_time_s
         if self.target_group_size is not None and target is not None:
             target = min(target, self.target_group_size)
+        if target is not None:
+            target = max(target, self.min_group_size)  # a group of fewer could not start anyway
         return (target if target is not None else self.target_group_size), window_s
 
     def _attempt(self, weight: float, target: Optional[int], window_s: float, attempt: int) -> Optional[RoundResult]:

@@ -674,7 +674,12 @@ class Worker:
                 bar.set_postfix(loss=f"{loss_value:.3f}", outer=opt.outer_step)
 
                 if opt.outer_step != synced_before:
-                    syncs += 1  # a catch-up that jumped several outer steps is one sync of this peer
+                    # a sync this peer took part in (averaged, or stepped alone); taking the swarm's state instead
+                    # (it was left out of a round) is not one: a newcomer asked for n syncs averages n times
+                    took_part = bool(opt.history) and not opt.history[-1].caught_up if ranks.leader else None
+                    if ranks.world > 1:
+                        took_part = broadcast_object(took_part)
+                    syncs += took_part
                     self.report.syncs = syncs
                     self._after_commit(batches, opt)  # on every rank: it may move to another shard
                     if opt.outer_step % cfg.checkpoint_every == 0:

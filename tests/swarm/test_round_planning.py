@@ -105,7 +105,8 @@ def test_a_peer_alone_in_the_swarm_does_not_wait_for_a_group(dhts):
     model, opt = optimizer(node, "alone", matchmaking_time_s=5.0)
     try:
         train(model, opt, 2 * LOCAL_STEPS)
-        assert [r.attempts for r in opt.history] == [0, 0], opt.history
+        # a new swarm's first round looks once (its peers may still be starting); later ones do not look at all
+        assert [r.attempts for r in opt.history] == [1, 0], opt.history
         assert all(not r.averaged and r.group_size == 1 for r in opt.history)
     finally:
         opt.close()

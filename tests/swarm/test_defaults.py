@@ -1,0 +1,167 @@
+"""A new user's first swarm, with the defaults: a bootstrap peer and `p2ptrain join`s started a few seconds apart
+with only the flags a user must give (where to join, the run's name, their data, H, how many syncs, a report).
+
+No --target-group-size, --matchmaking-time, --num-shards, --shard-index, --threads or --model: whatever the
+defaults do is what is tested. The peers listen on loopback through P2PTRAIN_HOST_MADDRS (the environment, not a
+flag), so that no test traffic leaves 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+
+from p2ptrain.data import ShardedBatches, eval_batches, evaluate, load_corpus, split_train_val
+from p2ptrain.model import build_model
+from tests.helpers import LOOPBACK, p2ptrain, report, spawn, start_bootstrap, stop_all, wait_until
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
+
+LOCAL_STEPS = 20
+SYNCS = 5
+MATCHMAKING_S = 5.0  # the default --matchmaking-time: a round that waited it out would show here
+
+
+def write_user_corpus(path: Path, num_bytes: int = 160_000, seed: int = 7) -> Path:
+    """A text file unlike the built-in corpus: short sentences from a small grammar (learnable in 100 steps)."""
+    rng = random.Random(seed)
+    subjects = ["the miller", "a heron", "my neighbour", "the old clock", "our ferryman", "a quiet fox"]
+    verbs = ["watches", "carries", "mends", "follows", "counts", "paints"]
+    objects = ["the river", "seven lanterns", "a broken oar", "the morning fog", "two copper pans", "the hill"]
+    endings = ["before dawn.", "in the rain.", "without a word.", "every tuesday.", "near the mill.", "again."]
+    lines = []
+    while sum(len(line) + 1 for line in lines) < num_bytes:
+        lines.append(" ".join([rng.choice(subjects), rng.choice(verbs), rng.choice(objects), rng.choice(endings)]))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def join(tmp_path: Path, i: int, maddr: str, corpus: Path, max_outer_steps: int):
+    """`p2ptrain join` with only the flags a user must give."""
+    return spawn("join", "--initial-peers", maddr, "--run-id", "first-swarm", "--data", str(corpus),
+                 "--local-steps", str(LOCAL_STEPS), "--max-outer-steps", str(max_outer_steps),
+                 "--report", str(tmp_path / f"w{i}.json"), log=tmp_path / f"w{i}.log",
+                 env={"P2PTRAIN_HOST_MADDRS": LOOPBACK})
+
+
+def single_process_eval_loss(corpus: Path, steps: int, batch_size: int = 16) -> tuple[float, float]:
+    """(eval loss before, after) of one process training the default model on all of the data for ``steps``
+    inner steps with the default inner optimizer: what the swarm is compared with."""
+    torch.manual_seed(0)
+    train, val = split_train_val(load_corpus([corpus]))
+    model = build_model("tiny", seed=0)
+    block = model.config.block_size
+    batches = ShardedBatches(train, block_size=block, batch_size=batch_size, shard_index=0, num_shards=1)
+    held_out = eval_batches(val, block, batch_size, 8)
+    before = evaluate(model, held_out)
+    opt = torch.optim.AdamW(model.parameters(), lr=4e-4, weight_decay=0.1, betas=(0.9, 0.95))
+    for _ in range(steps):
+        x, y = next(batches)
+        model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    return before, evaluate(model, held_out)
+
+
+def rounds_by_outer_step(reports: List[dict]) -> Dict[int, List[tuple]]:
+    """outer step -> [(worker, its round record)] for every committed round."""
+    by_step: Dict[int, List[tuple]] = {}
+    for i, r in enumerate(reports):
+        for record in r["rounds"]:
+            if not record["abandoned"]:
+                by_step.setdefault(record["outer_step"], []).append((i, record))
+    return by_step
+
+
+def test_two_workers_started_seconds_apart_train_together_with_the_defaults(tmp_path):
+    """Two `join`s 3 s apart: every round is a round of both, it starts as soon as the later one arrives, together
+    they cover all of the user's data, and the eval loss falls about as far as one process trained on all of it."""
+    corpus = write_user_corpus(tmp_path / "my_corpus.txt")
+    boot, maddr = start_bootstrap(tmp_path)
+    procs = [boot]
+    try:
+        procs.append(join(tmp_path, 0, maddr, corpus, SYNCS))
+        time.sleep(3.0)  # the second worker a few seconds later, as by hand
+        procs.append(join(tmp_path, 1, maddr, corpus, SYNCS))
+        for i, proc in enumerate(procs[1:]):
+            assert proc.wait(timeout=300) == 0, (tmp_path / f"w{i}.log").read_text()[-3000:]
+        # what `status` says of the data once the workers are gone (the bootstrap peer holds the shard cursors)
+        shown = p2ptrain("status", "--initial-peers", maddr, "--run-id", "first-swarm", "--json")
+        assert shown.returncode == 0, shown.stderr
+        coverage = json.loads(shown.stdout)["coverage"]
+    finally:
+        stop_all(procs)
+    reports = [report(tmp_path, i) for i in range(2)]
+
+    # every round is a round of both workers, bit-identical after it; nobody stepped alone or had to catch up
+    for r in reports:
+        assert r["stopped_by"] == "max_outer_steps" and r["syncs"] == SYNCS and r["outer_steps"] == SYNCS, r
+        assert [(x["outer_step"], x["group_size"], x["averaged"], x["caught_up"]) for x in r["rounds"]] == \
+            [(step, 2, True, False) for step in range(1, SYNCS + 1)], r["rounds"]
+        assert r["state_download"] is None
+    assert [x["digest"] for x in reports[0]["rounds"]] == [x["digest"] for x in reports[1]["rounds"]]
+
+    # a round starts as soon as its later peer arrives: it does not wait out the matchmaking window
+    waits = []
+    for first, second in zip(reports[0]["rounds"], reports[1]["rounds"]):
+        arrived = max(x["finished_at"] - x["seconds"] for x in (first, second))
+        formed = max(x["finished_at"] - x["allreduce_s"] for x in (first, second))
+        waits.append(formed - arrived)
+    print(f"seconds from the later peer's arrival to the group's forming, per round: "
+          f"{' '.join(f'{w:.2f}' for w in waits)}")
+    assert max(waits) < MATCHMAKING_S, waits
+
+    # together they saw all of the user's data, each moving on from shard to shard
+    visited = [{entry["shard"] for entry in r["shard_history"]} for r in reports]
+    print(f"shards visited per worker: {[sorted(v) for v in visited]}; status: {coverage}")
+    assert all(len(v) > 1 for v in visited), "a worker looped on one shard"
+    assert set.union(*visited) == set(range(coverage["num_shards"])), "the swarm skipped part of the data"
+    assert coverage["fraction_seen"] == 1.0 and coverage["shards_complete"] == coverage["num_shards"], coverage
+
+    # the eval loss on the user's held-out text falls about as far as one process's on all of the data
+    swarm_before, swarm_after = reports[0]["initial_eval_loss"], reports[0]["final_eval_loss"]
+    alone_before, alone_after = single_process_eval_loss(corpus, SYNCS * LOCAL_STEPS)
+    print(f"eval loss on the user corpus: swarm {swarm_before:.3f} -> {swarm_after:.3f}, one process on all of the "
+          f"data for the same {SYNCS * LOCAL_STEPS} steps {alone_before:.3f} -> {alone_after:.3f}")
+    assert abs(swarm_before - alone_before) < 1e-3  # the same model and held-out text
+    assert swarm_before - swarm_after >= 0.8 * (alone_before - alone_after), (swarm_after, alone_after)
+
+    # handled conditions are log lines in words: no traceback without -v
+    for i in range(2):
+        log = (tmp_path / f"w{i}.log").read_text()
+        assert "Traceback" not in log, f"worker {i}'s log has a traceback:\n{log[-3000:]}"
+
+
+@pytest.mark.slow
+def test_a_worker_that_joins_later_does_the_syncs_it_was_asked_for(tmp_path):
+    """A worker alone steps alone (nobody to wait for); one that joins at a later swarm step takes the state and
+    then averages every round with it, for exactly the syncs it asked for; the first goes on alone when it left."""
+    corpus = write_user_corpus(tmp_path / "my_corpus.txt")
+    boot, maddr = start_bootstrap(tmp_path)
+    procs = [boot]
+    try:
+        procs.append(join(tmp_path, 0, maddr, corpus, 6))
+        wait_until(lambda: report(tmp_path, 0).get("outer_steps", 0) >= 2, "the first worker's second sync", 240,
+                   procs=[("worker 0", procs[1])])
+        procs.append(join(tmp_path, 1, maddr, corpus, 2))
+        for i, proc in enumerate(procs[1:]):
+            assert proc.wait(timeout=300) == 0, (tmp_path / f"w{i}.log").read_text()[-3000:]
+    finally:
+        stop_all(procs)
+    first, late = report(tmp_path, 0), report(tmp_path, 1)
+    assert first["syncs"] == 6 and first["outer_steps"] == 6, first
+    own = [x for x in late["rounds"] if not x["caught_up"]]
+    assert late["start_outer_step"] >= 2 and late["syncs"] == len(own) == 2, late["rounds"]
+    assert all(x["averaged"] and x["group_size"] == 2 for x in own), own
+    together = {x["outer_step"]: x for x in own}
+    for x in first["rounds"]:
+        if x["outer_step"] in together:
+            assert x["averaged"] and x["group_size"] == 2 and x["digest"] == together[x["outer_step"]]["digest"], x
+        else:  # alone in the swarm: before the other joined, or after it left (only a first round looks once)
+            assert not x["averaged"] and x["attempts"] == (1 if x["outer_step"] == 1 else 0), x
