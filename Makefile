@@ -5,7 +5,7 @@ PIP := $(PYTHON) -m pip
 TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.1" || echo "torch==2.13.0")
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-docker test-netns test-all
+.PHONY: setup demo test test-slow test-docker test-netns test-all
 
 setup:
 	$(PIP) install --quiet "$(TORCH_SPEC)"
@@ -17,6 +17,10 @@ demo: setup
 # the default suite: unit and swarm tests, well under 15 minutes on 2 cores
 test: setup
 	$(PYTHON) -m pytest -m "not slow and not docker and not netns" $(PYTEST_ARGS)
+
+# the long swarm and chaos tests (minutes each): CI runs them after the default suite
+test-slow: setup
+	$(PYTHON) -m pytest -m "slow and not docker and not netns" $(PYTEST_ARGS)
 
 # the compose swarm: builds the image offline (docker/build-offline.sh) and runs it; needs a Docker engine
 test-docker: setup
