@@ -586,8 +586,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             if late_deadline is None:
                 late_deadline = now + self._late_peer_wait_s(1 + len(outlook.ready) + len(late))
             alone = not outlook.ready and not late and not single_attempt and self.no_group_policy == "apply_local"
-            # ... but a new swarm's first round looks once: its peers may still be starting (no record yet)
-            if alone and (self.outer_step > 0 or attempts > 0):
+            # ... but looks once when others may yet be there with no record to show for it: in a new swarm's first
+            # round (they may still be starting), or when this peer saw another live peer recently (a record that
+            # was slow to store, or a read that timed out, must not make it step alone next to that peer)
+            # (a live peer refreshes its record every period: not seen for two of them, it is gone)
+            recently = time.monotonic() - self.progress.others_seen_at < 2 * self.progress.period_s
+            if alone and (self.outer_step > 0 and not recently or attempts > 0):
                 if attempts == 0:
                     logger.info(f"{self._tag()} no other live peer is at outer step {self.outer_step}: not "
                                 "looking for a group")
@@ -693,6 +697,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         for record in fetch_progress(self.dht, self.run_id, timeout_s=5.0):
             if record.peer_id == me or record.peer_id in excluded:
                 continue
+            self.progress.others_seen_at = time.monotonic()
             ahead |= record.outer_step > self.outer_step
             if record.outer_step != self.outer_step:
                 continue

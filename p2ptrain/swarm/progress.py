@@ -148,6 +148,8 @@ class ProgressPublisher:
         """also read the live peers' records with every heartbeat, into ``swarm_outer_step`` (off the training
         thread: DiLoCoOptimizer looks at it every inner step to catch up as soon as the swarm moved on)"""
         self.swarm_outer_step = -1
+        self.others_seen_at = -math.inf
+        """when a look at the records (the heartbeat's, or a round's) last showed another live peer of the run"""
         """the highest outer step among the other live peers at the last look (-1: none, or not watching)"""
         self.shard_index: Optional[int] = None
         """the data shard this peer claimed, published with every record (see swarm/shards.py)"""
@@ -177,8 +179,10 @@ class ProgressPublisher:
                     logger.debug(f"Could not refresh the progress record: {e!r}")
             if self.watch_swarm and not self._heartbeat_stop.is_set():
                 me = self.dht.peer_id.to_base58()
-                records = fetch_progress(self.dht, self.run_id, timeout_s=self.period_s)
-                self.swarm_outer_step = max((r.outer_step for r in records if r.peer_id != me), default=-1)
+                others = [r for r in fetch_progress(self.dht, self.run_id, timeout_s=self.period_s) if r.peer_id != me]
+                self.swarm_outer_step = max((r.outer_step for r in others), default=-1)
+                if others:
+                    self.others_seen_at = time.monotonic()
 
     def publish(self, *, outer_step: int, local_step: int, samples_per_s: float, samples_since_sync: int) -> None:
         self._last_fields = dict(outer_step=outer_step, local_step=local_step, samples_per_s=samples_per_s,

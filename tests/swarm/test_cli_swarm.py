@@ -298,6 +298,7 @@ def test_training_survives_the_bootstrap_peer(tmp_path):
         stop_all([*workers, boot])
 
 
+@pytest.mark.slow  # over 15 s on 2 cores: `make test-slow` (CI runs it)
 def test_newcomer_mid_run_takes_the_state_and_joins_rounds(tmp_path):
     boot, maddr = start_bootstrap(tmp_path)
     workers = []
@@ -345,6 +346,7 @@ def health(path) -> tuple:
     return result.returncode, (result.stdout + result.stderr).strip()
 
 
+@pytest.mark.slow  # over 15 s on 2 cores: `make test-slow` (CI runs it)
 def test_workers_wait_for_the_bootstrap_peers_file_and_health_files_track_both_daemons(tmp_path):
     """How a compose swarm starts: workers first, reading the bootstrap peer's --maddrs-file from a shared folder
     once it appears; supervisors watch each daemon through `p2ptrain health`, which needs no network."""

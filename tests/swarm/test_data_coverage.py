@@ -78,6 +78,7 @@ def test_two_workers_with_the_default_shards_cover_all_of_the_data(tmp_path):
     assert "moving on to shard" in log and "Traceback" not in log
 
 
+@pytest.mark.slow  # over 15 s on 2 cores: `make test-slow` (CI runs it)
 def test_outer_step_limits_of_a_worker_that_joins_a_run_in_progress(tmp_path):
     """--max-outer-steps n: n syncs of this worker, from whatever outer step it joined at; --until-outer-step N:
     it leaves once the run's outer step it holds is N."""

@@ -146,7 +146,7 @@ def test_a_worker_that_joins_later_does_the_syncs_it_was_asked_for(tmp_path):
     boot, maddr = start_bootstrap(tmp_path)
     procs = [boot]
     try:
-        procs.append(join(tmp_path, 0, maddr, corpus, 6))
+        procs.append(join(tmp_path, 0, maddr, corpus, 12))  # alone its rounds take 2 s: room for the other's 2
         wait_until(lambda: report(tmp_path, 0).get("outer_steps", 0) >= 2, "the first worker's second sync", 240,
                    procs=[("worker 0", procs[1])])
         procs.append(join(tmp_path, 1, maddr, corpus, 2))
@@ -155,13 +155,13 @@ def test_a_worker_that_joins_later_does_the_syncs_it_was_asked_for(tmp_path):
     finally:
         stop_all(procs)
     first, late = report(tmp_path, 0), report(tmp_path, 1)
-    assert first["syncs"] == 6 and first["outer_steps"] == 6, first
+    assert first["syncs"] == 12 and first["outer_steps"] == 12, first
     own = [x for x in late["rounds"] if not x["caught_up"]]
     assert late["start_outer_step"] >= 2 and late["syncs"] == len(own) == 2, late["rounds"]
     assert all(x["averaged"] and x["group_size"] == 2 for x in own), own
-    together = {x["outer_step"]: x for x in own}
+    together = {x["outer_step"]: x for x in late["rounds"] if x["averaged"]}  # its join of a round in progress too
     for x in first["rounds"]:
         if x["outer_step"] in together:
             assert x["averaged"] and x["group_size"] == 2 and x["digest"] == together[x["outer_step"]]["digest"], x
-        else:  # alone in the swarm: before the other joined, or after it left (only a first round looks once)
-            assert not x["averaged"] and x["attempts"] == (1 if x["outer_step"] == 1 else 0), x
+        else:  # alone in the swarm: before the other joined, or after it left (a look at most, no waiting)
+            assert not x["averaged"] and x["attempts"] <= 1, x

@@ -149,6 +149,7 @@ def assert_same_state(got: dict, expected: dict) -> None:
         assert all(torch.equal(a, b) for a, b in zip(got[key], expected[key], strict=True)), key
 
 
+@pytest.mark.slow  # over 15 s on 2 cores: `make test-slow` (CI runs it)
 def test_state_transfer_carries_inner_moments_between_sharded_and_one_rank_peers(tmp_path):
     """A sharded newcomer takes a 1-rank donor's state, AdamW moments included, into its ranks' shards; and a 1-rank
     newcomer takes a sharded donor's. Bit-exact both ways (the moments travel as fp32)."""
@@ -226,6 +227,7 @@ def test_sharded_checkpoint_loads_on_another_number_of_ranks(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(saved[key], loaded[key], strict=True)), key
 
 
+@pytest.mark.slow  # over 15 s on 2 cores: `make test-slow` (CI runs it)
 def test_join_with_two_ranks_trains_with_a_one_rank_peer(tmp_path):
     """`p2ptrain join --nproc-per-node 2` (torchrun underneath) and a plain `join` train together from the CLI:
     both commit every round with the same digests, and no process outlives them."""
@@ -254,6 +256,7 @@ def test_join_with_two_ranks_trains_with_a_one_rank_peer(tmp_path):
     assert reports[0]["final_eval_loss"] < reports[0]["initial_eval_loss"]
 
 
+@pytest.mark.slow  # over 15 s on 2 cores: `make test-slow` (CI runs it)
 def test_join_checkpoints_and_resumes_on_another_number_of_ranks(tmp_path):
     """A 2-rank peer alone writes sharded checkpoints; `join --resume` continues from the latest checkpoint with 2
     ranks, then with 1 (from the sharded one), then with 2 again (from the 1-rank one). Each picks up the exact
@@ -277,6 +280,7 @@ def test_join_checkpoints_and_resumes_on_another_number_of_ranks(tmp_path):
     assert (tmp_path / "ckpt" / "hsdp-resume.pt").is_file()
 
 
+@pytest.mark.slow  # over 15 s on 2 cores: `make test-slow` (CI runs it)
 def test_a_dead_rank_takes_its_peer_down_cleanly_and_the_swarm_goes_on(tmp_path):
     """SIGKILL of rank 1 of a 2-rank peer: the leader's collectives fail, it shuts its hivemind processes down and
     torchrun exits with an error, leaving no process behind; the other peer of the swarm trains on."""

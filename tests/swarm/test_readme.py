@@ -401,6 +401,7 @@ def test_toml_block_is_a_valid_config(tmp_path):
 
 @pytest.mark.swarm
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # over 15 s on 2 cores: `make test-slow` (CI runs it)
 def test_make_demo_and_its_figures(shell):
     """`make demo`'s own command (its Makefile recipe, not `make`, which would pip install first) runs, and the
     figures the README quotes for it are what it produces (wall-clock ones are printed, not asserted)."""
@@ -440,6 +441,7 @@ def test_make_demo_and_its_figures(shell):
 
 @pytest.mark.swarm
 @pytest.mark.timeout(420)
+@pytest.mark.slow  # over 15 s on 2 cores: `make test-slow` (CI runs it)
 def test_train_together_across_hosts(shell):
     """A bootstrap peer, a worker from the join command, one from `join --config run.toml` with the Configuration
     block, one from the "Behind NAT" block (no model or H given); status, as a table and as JSON, lists them."""
@@ -500,6 +502,7 @@ def test_train_together_across_hosts(shell):
 
 @pytest.mark.swarm
 @pytest.mark.timeout(420)
+@pytest.mark.slow  # over 15 s on 2 cores: `make test-slow` (CI runs it)
 def test_private_swarm_and_the_library_snippet(shell):
     """keygen; a bootstrap peer and a worker with the key; the library snippet as a second peer of the same run
     (it reads swarm.key too); status with the key lists both; the two train together and exit 0."""

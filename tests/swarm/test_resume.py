@@ -19,6 +19,7 @@ def lone_join(tmp_path, report: str, *extra: str):
                     timeout=180)
 
 
+@pytest.mark.slow  # over 15 s on 2 cores: `make test-slow` (CI runs it)
 def test_resume_continues_from_the_checkpoint(tmp_path):
     first = lone_join(tmp_path, "first.json", "--max-outer-steps", "2")
     assert first.returncode == 0, first.stderr

@@ -14,15 +14,19 @@ from tests.helpers import report, start_bootstrap, start_worker, stop_all, wait_
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
+# far enough that the donors are still training when the newcomers arrive, however slow their start (rounds with
+# every peer in start at once: 6 was reached before two loaded newcomers had started)
+LAST_OUTER_STEP = 12
 ARGS = ["--local-steps", "20", "--num-shards", "4", "--matchmaking-time", "2", "--averaging-timeout", "10",
         "--no-group-policy", "wait", "--log-interval", "2"]
 
 
+@pytest.mark.slow  # over 15 s on 2 cores: `make test-slow` (CI runs it)
 def test_two_simultaneous_newcomers_resume_past_a_dying_donor(tmp_path):
     boot, maddr = start_bootstrap(tmp_path)
     procs = {
-        0: start_worker(tmp_path, 0, maddr, "transfer", *ARGS, "--shard-index", "0", "--until-outer-step", "6"),
-        1: start_worker(tmp_path, 1, maddr, "transfer", *ARGS, "--shard-index", "1", "--until-outer-step", "6",
+        0: start_worker(tmp_path, 0, maddr, "transfer", *ARGS, "--shard-index", "0", "--until-outer-step", str(LAST_OUTER_STEP)),
+        1: start_worker(tmp_path, 1, maddr, "transfer", *ARGS, "--shard-index", "1", "--until-outer-step", str(LAST_OUTER_STEP),
                         env={"P2PTRAIN_FAULT": "kill-mid-state-transfer:2"}),
     }
     try:
@@ -30,7 +34,7 @@ def test_two_simultaneous_newcomers_resume_past_a_dying_donor(tmp_path):
                    procs=[(f"worker {i}", proc) for i, proc in procs.items()])
         for i in (2, 3):  # at the same moment
             procs[i] = start_worker(tmp_path, i, maddr, "transfer", *ARGS, "--shard-index", str(i),
-                                    "--until-outer-step", "6")
+                                    "--until-outer-step", str(LAST_OUTER_STEP))
         assert procs[1].wait(timeout=60) < 0, "the faulty donor should have died while serving its state"
         assert "fault injection: dying after serving 2 state chunks" in (tmp_path / "w1.log").read_text()
         del procs[1]
@@ -58,7 +62,7 @@ def test_two_simultaneous_newcomers_resume_past_a_dying_donor(tmp_path):
     # both newcomers took the same state and then committed the same rounds as the donor
     by_step = {r["outer_step"]: r["digest"] for r in donor["rounds"]}
     for newcomer in newcomers:
-        assert newcomer["outer_steps"] == 6 and newcomer["rounds"]
+        assert newcomer["outer_steps"] == LAST_OUTER_STEP and newcomer["rounds"]
         assert any(r["averaged"] and r["group_size"] >= 2 for r in newcomer["rounds"])
         for record in newcomer["rounds"]:
             assert record["digest"] == by_step[record["outer_step"]], f"newcomer diverged at {record}"

@@ -60,6 +60,7 @@ def on(host: str, *args: str, log) -> subprocess.Popen:
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
+@pytest.mark.slow  # over 15 s on 2 cores: `make test-slow` (CI runs it)
 def test_bootstrap_and_workers_on_two_hosts(two_hosts, tmp_path):
     hosts, addrs = two_hosts
     # H=20: with H=10, outer Nesterov momentum 0.9 at lr 0.7 spikes the loss at the 3rd sync (5.56 -> 8.81,
