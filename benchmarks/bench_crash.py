@@ -58,7 +58,7 @@ def main() -> None:
                 procs.append(p2ptrain(
                     "join", "--initial-peers", maddr, "--host-maddrs", LOOPBACK, "--run-id", "bench-crash",
                     "--model", args.model, "--batch-size", str(args.batch_size), "--local-steps", str(args.local_steps),
-                    "--max-outer-steps", str(outer_steps), "--num-shards", str(args.workers), "--shard-index", str(i),
+                    "--until-outer-step", str(outer_steps), "--num-shards", str(args.workers), "--shard-index", str(i),
                     "--threads", "1", "--matchmaking-time", "3", "--averaging-timeout", str(args.averaging_timeout),
                     "--no-group-policy", "wait", "--eval-batches", "1", "--no-progress",
                     "--report", str(tmp / f"w{i}.json"), log=tmp / f"w{i}.log",

@@ -68,7 +68,8 @@ def run_demo(
                 "join", "--initial-peers", bootstrap_maddr, "--host-maddrs", LOOPBACK, "--run-id", run_id,
                 # the defaults group the workers and split the data, as in a swarm started by hand; the threads
                 # split this host's cores between its workers, as the --threads help advises
-                "--model", model, "--local-steps", str(local_steps), "--max-outer-steps", str(outer_steps),
+                # --until-outer-step: the workers end on the same outer step, also one that had to take the state
+                "--model", model, "--local-steps", str(local_steps), "--until-outer-step", str(outer_steps),
                 "--threads", str(threads), "--log-interval", "5",
                 "--report", str(log_dir / f"worker-{i}.json"), "--no-progress",
             ]

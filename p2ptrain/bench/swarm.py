@@ -89,7 +89,9 @@ def run_config(cfg: BenchConfig, out: Path, topology: Optional[Topology], progre
                 "join", "--initial-peers", initial_peer,
                 "--host-maddrs", f"/ip4/{address(i)}/tcp/0", "--run-id", f"bench-{cfg.name}",
                 "--model", cfg.model, "--batch-size", str(cfg.batch_size), "--local-steps", str(cfg.local_steps),
-                "--max-outer-steps", str(cfg.outer_steps), "--compression", cfg.compression,
+                # the run's outer step to end at: every worker ends on the same one, also one that took the state
+                # after a failed round (its syncs would count one fewer, and under "wait" it would wait for good)
+                "--until-outer-step", str(cfg.outer_steps), "--compression", cfg.compression,
                 *_grouping_flags(cfg, i),
                 "--averaging-timeout", "600", "--threads", "1", "--no-progress", "--log-interval", "30",
                 "--eval-batches", str(cfg.eval_batches),
