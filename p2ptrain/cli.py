@@ -614,7 +614,8 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
 
 @cli.command()
 @click.option("--workers", type=click.IntRange(min=1, max=16), default=2, help="Training peers to start.")
-@click.option("--outer-steps", type=click.IntRange(min=1), default=5, help="Syncs each worker runs.")
+@click.option("--outer-steps", type=click.IntRange(min=1), default=5,
+              help="The outer step the run ends at (every worker leaves there; a round each step).")
 @click.option("--local-steps", type=click.IntRange(min=1), default=20, help="Inner steps between syncs.")
 @click.option("--model", default="tiny", help="Built-in model size.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the per-worker table as JSON.")

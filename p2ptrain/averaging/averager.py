@@ -240,6 +240,15 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
                 return await request_join_group(leader)
 
             matchmaking._request_join_group = guarded_request_join_group
+
+            # the group bits are the outer step (DiLoCoOptimizer sets them before every attempt). hivemind rewrites
+            # them whenever a group assembles (its bucketing of large swarms), and its own retry of a failed round
+            # within one step then looked for peers under those bits: a peer whose round failed half-way met peers
+            # one outer step ahead (seen in the int8 benchmark, repaired only by the digest check)
+            async def keep_group_bits(group_info: GroupInfo) -> None:
+                return None
+
+            matchmaking.group_key_manager.update_key_on_group_assembled = keep_group_bits
             matchmaking.p2ptrain_guarded = True
         return await super()._step(**kwargs)
 
