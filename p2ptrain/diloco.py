@@ -45,9 +45,6 @@ MAX_INCOMPLETE_RETRIES = 2  # re-runs of a round that a member's failure left in
 LATE_PEER_STALL_S = 30.0
 """a live peer of this outer step whose local step has not moved for this long is not waited for (it is stuck,
 or still starting up: it catches up from the swarm's state when it gets to its sync)"""
-MAX_UNJOINABLE_ATTEMPTS = 3
-"""attempts in a row in which peers announced themselves ready but no group formed (they refuse us, or we them),
-after which the no-group policy applies"""
 
 
 @dataclass
@@ -570,22 +567,27 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         "apply_local", a peer goes on alone only when no other live peer is at its outer step: a solo outer step
         next to such a peer would throw all of that peer's inner steps away (it would have to take our state).
         Under "wait" it never goes on alone."""
-        attempts, incomplete_retries, unjoinable = 0, 0, 0
-        excluded: set = set()  # members that failed a round of this sync: not waited for again
+        attempts, incomplete_retries = 0, 0
+        unjoinable_since: Optional[float] = None  # when ready peers first failed to group with us
+        # members whose range failed a round of this sync: not counted in the target again. They still keep this
+        # peer from stepping alone: a failed round can also name a live member (one stuck behind the dead one)
+        excluded: set = set()
         late_deadline = None  # set at the first look, from how many peers are expected
         last_moved: Dict[str, tuple] = {}  # late peer -> (its local step, when we first saw it there)
         while not self._interrupted.is_set():
-            outlook = self.round_outlook(excluded)
+            outlook = self.round_outlook()
             if outlook.ahead:
                 return _BEHIND, attempts
             now = time.monotonic()
             for peer, local_step in outlook.late.items():
                 if last_moved.get(peer, (None,))[0] != local_step:
                     last_moved[peer] = (local_step, now)
-            late = [peer for peer in outlook.late if now - last_moved[peer][1] < LATE_PEER_STALL_S]
+            moving = [peer for peer in outlook.late if now - last_moved[peer][1] < LATE_PEER_STALL_S]
+            ready = [peer for peer in outlook.ready if peer not in excluded]
+            late = [peer for peer in moving if peer not in excluded]
             if late_deadline is None:
-                late_deadline = now + self._late_peer_wait_s(1 + len(outlook.ready) + len(late))
-            alone = not outlook.ready and not late and not single_attempt and self.no_group_policy == "apply_local"
+                late_deadline = now + self._late_peer_wait_s(1 + len(ready) + len(late))
+            alone = not outlook.ready and not moving and not single_attempt and self.no_group_policy == "apply_local"
             # ... but looks once when others may yet be there with no record to show for it: in a new swarm's first
             # round (they may still be starting), or when this peer saw another live peer recently (a record that
             # was slow to store, or a read that timed out, must not make it step alone next to that peer)
@@ -600,7 +602,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             if not self.averager.is_alive():
                 logger.error(f"{self._tag()} the averager process is gone; this peer can no longer average")
                 break
-            target, window_s = self._plan_round(outlook.ready, late, late_deadline - now)
+            target, window_s = self._plan_round(ready, late, late_deadline - now)
             incomplete_before = self.averager.incomplete_rounds
             result = self._attempt(weight, target, window_s, attempts)
             if result is not None:
@@ -622,11 +624,16 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                     logger.warning(f"{self._tag()} a group member failed mid-round; running the round again with "
                                    f"the survivors (retry {incomplete_retries}/{MAX_INCOMPLETE_RETRIES})")
                     continue
-            unjoinable = unjoinable + 1 if outlook.ready else 0
+            if not outlook.ready:
+                unjoinable_since = None
+            elif unjoinable_since is None:
+                unjoinable_since = now
             if self.no_group_policy == "apply_local":
-                if late and unjoinable == 0:
+                if moving and not outlook.ready:
                     continue  # the others are still training and making progress: wait for them
-                if outlook.ready and unjoinable < MAX_UNJOINABLE_ATTEMPTS:
+                # peers at the sync point that did not group with us are in a round of their own (a failed one
+                # takes at most the averaging timeout) or refuse us: wait that long, then go on
+                if outlook.ready and now - unjoinable_since < self.averaging_timeout_s + self.matchmaking_time_s:
                     continue
                 break
             self._explain_no_group()

@@ -197,7 +197,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         except BaseException as e:
             if isinstance(e, Exception):
                 logger.debug(f"Caught {repr(e)} when communicating to {peer_id}", exc_info=True)
-            self.failed_reducers.add(peer_id)
+            if not isinstance(e, asyncio.CancelledError):  # cancelled: the round ended for another reason
+                self.failed_reducers.add(peer_id)
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
 
