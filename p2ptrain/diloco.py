@@ -633,7 +633,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                     continue  # the others are still training and making progress: wait for them
                 # peers at the sync point that did not group with us are in a round of their own (a failed one
                 # takes at most the averaging timeout) or refuse us: wait that long, then go on
-                if outlook.ready and now - unjoinable_since < self.averaging_timeout_s + self.matchmaking_time_s:
+                # (a peer with weight 0 adds nothing: a group of such peers is refused by all its members alike, so
+                # waiting for one is pointless)
+                if outlook.ready and weight > 0 and \
+                        now - unjoinable_since < self.averaging_timeout_s + self.matchmaking_time_s:
                     continue
                 break
             self._explain_no_group()

@@ -213,12 +213,14 @@ def leftover_namespaces() -> List[str]:
     return [line.split()[0] for line in done.stdout.splitlines() if line.startswith(PREFIX + "-")]
 
 
-def bytes_between(samples: List[Dict], host: int, start: float, end: float) -> tuple:
+def bytes_between(samples: List[Dict], host: int, start: float, end: float, drain_s: float = 0.1) -> tuple:
     """(sent, received) bytes of ``host`` between two wall-clock times, from the counter samples around them."""
-    # widen the window to the samples just outside it: this counts all of the sync's traffic, plus at most two
-    # sampling intervals of the background chatter (DHT heartbeats, a few KB)
+    # widen the window to the samples just outside it: this counts all of the sync's traffic, plus a few sampling
+    # intervals of the background chatter (DHT heartbeats, a few KB). The end also waits ``drain_s`` for the bytes
+    # a peer had handed to its socket before its round ended but the rate-limited link had not carried yet (seen:
+    # 90 KB of a reducer's last averages still queued when a sample came 1 ms after the round's end)
     first = max((s for s in samples if s["t"] <= start), key=lambda s: s["t"], default=samples[0])
-    last = min((s for s in samples if s["t"] >= end), key=lambda s: s["t"], default=samples[-1])
+    last = min((s for s in samples if s["t"] >= end + drain_s), key=lambda s: s["t"], default=samples[-1])
     return last["sent"][host] - first["sent"][host], last["received"][host] - first["received"][host]
 
 
