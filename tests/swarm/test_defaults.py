@@ -28,8 +28,11 @@ SYNCS = 5
 MATCHMAKING_S = 5.0  # the default --matchmaking-time: a round that waited it out would show here
 
 
-def write_user_corpus(path: Path, num_bytes: int = 160_000, seed: int = 7) -> Path:
-    """A text file unlike the built-in corpus: short sentences from a small grammar (learnable in 100 steps)."""
+def write_user_corpus(path: Path, num_bytes: int = 120_000, seed: int = 7) -> Path:
+    """A text file unlike the built-in corpus: short sentences from a small grammar (learnable in 100 steps). Its
+    1680 samples leave 2 workers x 5 syncs x 20 steps x 16 samples = 3200 room enough to see all of it even when
+    both pick the same shard at once (a clash costs up to a shard twice); at 160 KB (2240 samples) a run once
+    ended at 97% seen."""
     rng = random.Random(seed)
     subjects = ["the miller", "a heron", "my neighbour", "the old clock", "our ferryman", "a quiet fox"]
     verbs = ["watches", "carries", "mends", "follows", "counts", "paints"]
