@@ -603,6 +603,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 logger.error(f"{self._tag()} the averager process is gone; this peer can no longer average")
                 break
             target, window_s = self._plan_round(ready, late, late_deadline - now)
+            self.averager.set_round_plan(target, window_s, expected=[*ready, *late],
+                                         max_group_size=self.target_group_size)
+            logger.debug(f"{self._tag()} attempt {attempts}: ready {[p[-8:] for p in ready]}, late "
+                         f"{ {p[-8:]: outlook.late[p] for p in late} } at local step {self.local_step}: "
+                         f"target {target}, window {window_s:.1f}s")
             incomplete_before = self.averager.incomplete_rounds
             result = self._attempt(weight, target, window_s, attempts)
             if result is not None:
@@ -674,7 +679,6 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             # peers only group with peers at the same outer step: a peer that fell behind finds nobody and
             # catches up from live peers instead of averaging a pseudo-gradient computed from stale parameters
             self.averager.set_group_bits(format(self.outer_step % 256, "08b"))
-            self.averager.set_round_plan(target, window_s)
             # the leader waits window_s for followers; allow a request timeout on top
             matchmaking_timeout_s = window_s + self._request_timeout_s + 1.0
             control = self.averager.step(

@@ -8,7 +8,7 @@ import multiprocessing as mp
 import signal
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, AsyncIterator, Dict, Optional, Sequence
+from typing import Any, AsyncIterator, Dict, Iterable, Optional, Sequence
 
 import torch
 from hivemind import DHT
@@ -68,7 +68,7 @@ client-mode senders at once (no delayed results), and join requests carry the we
 SERVE_SENDERS_TIMEOUT_S = 15.0
 """how long a reducer that has its own result waits for the other senders to take their last averages"""
 
-MAX_FAILED_MEMBERS_BYTES = 4096
+MAX_PEER_LIST_BYTES = 4096
 """room for the ids of the members that failed a round (about 80 of them)"""
 
 BAN_S = 600.0
@@ -102,8 +102,12 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         # the host sets these before each step (set_round_plan); the averager process reads them when the step starts
         self._round_target = mp.Value(ctypes.c_int64, 0)  # 0: no target, wait out the window
         self._round_window_s = mp.Value(ctypes.c_double, self.matchmaking_kwargs["min_matchmaking_time"])
+        # base58 ids of the peers the target counts, comma-separated, and the most a group may hold (0: no cap)
+        self._round_expected = mp.Array(ctypes.c_char, MAX_PEER_LIST_BYTES)
+        self._round_cap = mp.Value(ctypes.c_int64, 0)
+        self._expected_members: set = set()  # averager process: this step's expected peers, and the unexpected joined
         # base58 ids of the members that failed the last incomplete round, comma-separated (host reads them)
-        self._failed_members = mp.Array(ctypes.c_char, MAX_FAILED_MEMBERS_BYTES)
+        self._failed_members = mp.Array(ctypes.c_char, MAX_PEER_LIST_BYTES)
         self._init_state_transfer()
 
     @property
@@ -126,12 +130,20 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         raw = self._failed_members.value.decode("ascii", "replace")
         return {peer for peer in raw.split(",") if peer}
 
-    def set_round_plan(self, target_group_size: Optional[int], window_s: float) -> None:
+    def set_round_plan(self, target_group_size: Optional[int], window_s: float, expected: Iterable[str] = (),
+                       max_group_size: Optional[int] = None) -> None:
         """For the next ``step``: start the group as soon as it has ``target_group_size`` members (None: only when
         the window ends), and look for peers for ``window_s`` seconds. hivemind fixes both when the averager is
-        built; p2ptrain sets them per round from the swarm's progress records (DiLoCoOptimizer._plan_round)."""
+        built; p2ptrain sets them per round from the swarm's progress records (DiLoCoOptimizer._plan_round).
+
+        ``expected`` names the peers (base58) that the target counts. A peer that joins our group without being one
+        of them (its record was not stored yet when we read the records) raises the target by one, up to
+        ``max_group_size``: otherwise it would take the place of an expected peer, and the group would start
+        without that one."""
         self._round_target.value = target_group_size or 0
         self._round_window_s.value = window_s
+        self._round_expected.value = _joined_ids(expected, MAX_PEER_LIST_BYTES - 1)
+        self._round_cap.value = max_group_size or 0
 
     state_provider = None
     """A callable returning (metadata, tensors, infos) that newcomers download; set by DiLoCoOptimizer."""
@@ -230,6 +242,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         matchmaking.target_group_size = self._round_target.value or None
         matchmaking.min_matchmaking_time = matchmaking.potential_leaders.min_matchmaking_time = \
             self._round_window_s.value
+        self._expected_members = set(filter(None, self._round_expected.value.decode("ascii", "replace").split(",")))
         if not getattr(matchmaking, "p2ptrain_guarded", False):
             # never ask a peer we refuse to lead our group (hivemind's matchmaking has no hook for it)
             request_join_group = matchmaking._request_join_group
@@ -249,6 +262,24 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
                 return None
 
             matchmaking.group_key_manager.update_key_on_group_assembled = keep_group_bits
+
+            # an unexpected follower raises the target (set_round_plan): it must not fill an expected peer's place
+            check_request = matchmaking._check_reasons_to_reject
+
+            def check_request_counting_the_unexpected(request, context):
+                target, cap = matchmaking.target_group_size, self._round_cap.value
+                peer = context.remote_id.to_base58()
+                unexpected = target is not None and peer not in self._expected_members and (not cap or target < cap)
+                if unexpected:
+                    matchmaking.target_group_size = target + 1
+                reason = check_request(request, context)
+                if unexpected and reason is None:
+                    self._expected_members.add(peer)
+                elif unexpected:
+                    matchmaking.target_group_size = target
+                return reason
+
+            matchmaking._check_reasons_to_reject = check_request_counting_the_unexpected
             matchmaking.p2ptrain_guarded = True
         return await super()._step(**kwargs)
 
@@ -324,8 +355,8 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
             if failed_size:
                 # a reducer died or timed out: its range holds our own values, which differ from peer to peer.
                 # Applying that would split the survivors; fail the round so that they run it again together.
-                failed = ",".join(peer.to_base58() for peer in runner.failed_reducers)
-                self._failed_members.value = failed.encode("ascii")[: MAX_FAILED_MEMBERS_BYTES - 1]
+                failed = [peer.to_base58() for peer in runner.failed_reducers]
+                self._failed_members.value = _joined_ids(failed, MAX_PEER_LIST_BYTES - 1)
                 raise IncompleteRoundError(
                     f"{failed_size} of {runner.tensor_part_container.total_size} values were not averaged "
                     "(a group member failed mid-round); nothing applied"
@@ -347,6 +378,17 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
             bytes_received=runner.bytes_received,
             failed_fraction=container.failed_size / max(container.total_size, 1),
         )
+
+
+def _joined_ids(peer_ids: Iterable[str], max_bytes: int) -> bytes:
+    """Comma-separated ids that fit in ``max_bytes`` (the ones that do not are left out whole)."""
+    joined = b""
+    for peer in peer_ids:
+        item = (b"," if joined else b"") + peer.encode("ascii")
+        if len(joined) + len(item) > max_bytes:
+            break
+        joined += item
+    return joined
 
 
 def _without_admission(gathered: Any) -> Any:

@@ -84,13 +84,15 @@ def test_outer_step_limits_of_a_worker_that_joins_a_run_in_progress(tmp_path):
     it leaves once the run's outer step it holds is N."""
     boot, maddr = start_bootstrap(tmp_path)
     # rounds wait for the group, so a newcomer keeps in step with the run once it has its state
-    args = ["--local-steps", "20", "--batch-size", "4", "--matchmaking-time", "3", "--no-group-policy", "wait",
+    # (phases of 60 steps, ~1.5 s: the run must not reach the target while the newcomers start, which took 12 rounds
+    # of 20 steps)
+    args = ["--local-steps", "60", "--batch-size", "4", "--matchmaking-time", "3", "--no-group-policy", "wait",
             "--eval-batches", "1", "--num-shards", "4", "--log-interval", "2"]
     procs = {i: start_worker(tmp_path, i, maddr, "limits", *args) for i in (0, 1)}
     try:
         wait_until(lambda: min(report(tmp_path, i).get("outer_steps", 0) for i in (0, 1)) >= 3,
                    "the run reaches outer step 3", 150, procs=[(f"worker {i}", p) for i, p in procs.items()])
-        target = report(tmp_path, 0)["outer_steps"] + 15  # beyond where the run is once the newcomer has started
+        target = report(tmp_path, 0)["outer_steps"] + 20  # beyond where the run is once the newcomer has started
         procs[2] = start_worker(tmp_path, 2, maddr, "limits", *args, "--max-outer-steps", "2")
         procs[3] = start_worker(tmp_path, 3, maddr, "limits", *args, "--until-outer-step", str(target))
         for i in (2, 3):

@@ -133,3 +133,46 @@ def test_a_peer_left_out_of_a_round_catches_up_before_its_sync_point(dhts):
     finally:
         for _, opt in peers:
             opt.close()
+
+
+def test_a_peer_the_leader_did_not_expect_does_not_take_an_expected_peers_place(dhts):
+    """The leader planned a group of itself and B (the records it read named B only). C, whose record it had not
+    seen, asks to join first: the group must still wait for B, not start with C in B's place (seen in a swarm
+    where two newcomers arrived together: the round left one of them out and it had to take the state again)."""
+    from hivemind.utils import get_dht_time
+
+    from p2ptrain.averaging.averager import PseudoGradientAverager, RoundResult
+
+    nodes = dhts(3)
+    averagers = [PseudoGradientAverager([torch.full((64,), float(i))], node, prefix="unexpected_diloco",
+                                        compression="none", min_group_size=2, min_matchmaking_time=1.0,
+                                        request_timeout=2.0, allreduce_timeout=10.0, shutdown_timeout=5)
+                 for i, node in enumerate(nodes)]
+    leader, b, c = averagers
+    try:
+        for averager in averagers:
+            averager.start_in_background(timeout_s=30)
+            averager.set_group_bits("00000001")
+        results = {}
+
+        def step(name: str, averager, delay_s: float, window_s: float, **plan) -> None:
+            time.sleep(delay_s)
+            averager.set_round_plan(window_s=window_s, **plan)
+            # the earliest deadline leads: the leader's window ends first, so C and B ask it to lead them
+            control = averager.step(gather={"name": name}, weight=1.0, scheduled_time=get_dht_time() + window_s,
+                                    timeout=window_s + 5.0, allow_retries=False, wait=False)
+            results[name] = control.result(timeout=window_s + 30.0)
+
+        b_id = b.peer_id.to_base58()
+        run_threads(partial(step, "leader", leader, 0.0, 4.0, target_group_size=2, expected=[b_id]),
+                    partial(step, "c", c, 0.3, 8.0, target_group_size=None),
+                    partial(step, "b", b, 1.5, 8.0, target_group_size=None))
+        assert all(isinstance(r, RoundResult) for r in results.values()), results
+        assert {name: r.group_size for name, r in results.items()} == {"leader": 3, "b": 3, "c": 3}
+        # and the average is over all three: (0 + 1 + 2) / 3
+        for averager in averagers:
+            with averager.get_tensors() as (tensor,):
+                assert torch.allclose(tensor, torch.full((64,), 1.0))
+    finally:
+        for averager in averagers:
+            averager.shutdown()
