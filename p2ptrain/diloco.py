@@ -43,6 +43,8 @@ NO_GROUP_POLICIES = ("apply_local", "wait")
 _BEHIND = object()  # _average's answer when the swarm is at a later outer step than this peer
 MAX_INCOMPLETE_RETRIES = 2  # re-runs of a round that a member's failure left incomplete, under any policy
 LATE_PEER_STALL_S = 30.0
+LEAVE_WAIT_S = 10.0
+"""a peer that leaves right after a round waits at most this long for the other members to commit it (close)"""
 """a live peer of this outer step whose local step has not moved for this long is not waited for (it is stuck,
 or still starting up: it catches up from the swarm's state when it gets to its sync)"""
 
@@ -227,6 +229,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.samples_since_sync = 0
         self._steps_since_sync = 0  # inner steps in this peer's pseudo-gradient (the norm check's scale)
         self.history: List[SyncRecord] = []
+        self._last_group: set = set()  # the other members of our last round that averaged (base58 ids)
         self._closed = threading.Event()
         self._interrupted = threading.Event()  # set: stop looking for peers (the peer is leaving)
         self._sync_lock = threading.Lock()
@@ -391,7 +394,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         # tell the others we are at the sync point now, not at the next periodic refresh: a round waits for the
         # live peers that have not got there yet (_plan_round), and would wait for us too
         self._publish_progress(force=True)
-        if self.swarm_outer_step() > self.outer_step:
+        outlook = self.round_outlook()  # one read of the records: this check, and the first attempt's plan
+        if outlook.ahead:
             # behind already (paused, or a round went on without us): matchmaking at this outer step is doomed
             logger.warning(f"{self._tag()} the swarm has moved past outer step {self.outer_step}; discarding this "
                            "peer's stale pseudo-gradient and taking the state from live peers")
@@ -420,7 +424,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                     buffer.add_(residual)
                 wire_residual_(self._residuals, buffers, self.averager.codec, self.averager.part_size_bytes)
 
-        result, attempts = self._average(weight=0.0 if diverged else float(max(self.samples_since_sync, 1)))
+        result, attempts = self._average(weight=0.0 if diverged else float(max(self.samples_since_sync, 1)),
+                                         outlook=outlook)
         if not isinstance(result, RoundResult):
             # nothing went through the wire: the peer applies its pseudo-gradient unrounded (apply_local), takes
             # the swarm's state (behind) or abandons the round; either way there is no rounding error to carry
@@ -544,6 +549,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             allreduce_s=result.allreduce_s if result else 0.0,
         )
         self.history.append(record)
+        me = self.dht.peer_id.to_base58()
+        self._last_group = {peer for peer in result.gathered if peer != me} if result else set()
         self._phase_started = time.monotonic()
         if not abandoned:  # an abandoned round's samples are still in the model, to be synced later
             self.samples_since_sync = 0
@@ -559,14 +566,16 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._publish_progress(force=True)
         return record
 
-    def _average(self, weight: float, single_attempt: bool = False) -> tuple[Optional[RoundResult], int]:
+    def _average(self, weight: float, single_attempt: bool = False,
+                 outlook: Optional[RoundOutlook] = None) -> tuple[Optional[RoundResult], int]:
         """Run averaging attempts until a group averages, or this peer must go on without one (None).
 
         Each attempt is planned from the progress records (``_plan_round``): its group starts as soon as every live
         peer of this outer step is in, and waits a bounded time for those still in their inner steps. Under
         "apply_local", a peer goes on alone only when no other live peer is at its outer step: a solo outer step
         next to such a peer would throw all of that peer's inner steps away (it would have to take our state).
-        Under "wait" it never goes on alone."""
+        Under "wait" it never goes on alone. ``outlook``: the records as the caller just read them (else read here).
+        """
         attempts, incomplete_retries = 0, 0
         unjoinable_since: Optional[float] = None  # when ready peers first failed to group with us
         # members whose range failed a round of this sync: not counted in the target again. They still keep this
@@ -575,7 +584,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         late_deadline = None  # set at the first look, from how many peers are expected
         last_moved: Dict[str, tuple] = {}  # late peer -> (its local step, when we first saw it there)
         while not self._interrupted.is_set():
-            outlook = self.round_outlook()
+            outlook = outlook if outlook is not None and attempts == 0 else self.round_outlook()
             if outlook.ahead:
                 return _BEHIND, attempts
             now = time.monotonic()
@@ -994,6 +1003,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         attempt_s = self.matchmaking_time_s + self._request_timeout_s + self.averaging_timeout_s + 15.0
         acquired = self._sync_lock.acquire(timeout=attempt_s)
         try:
+            self._wait_for_last_group(LEAVE_WAIT_S)
             self.progress.withdraw()
             if self.averager.is_alive():
                 self.averager.shutdown()
@@ -1002,3 +1012,21 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 self._sync_lock.release()
 
     shutdown = close
+
+    def _wait_for_last_group(self, timeout_s: float) -> None:
+        """Before leaving: wait (bounded) until the other members of our last round have committed it too. Our
+        part of that all-reduce may still be on its way to a slower member when we have our own result (a peer that
+        ends the run at an absolute outer step leaves at once); stopping the p2p daemon then would cut it off, and
+        a member whose round failed could no longer take the state from us."""
+        members = self._last_group
+        deadline = time.monotonic() + timeout_s
+        while members and self.averager.is_alive():
+            behind = sorted(r.peer_id[-8:] for r in fetch_progress(self.dht, self.run_id, timeout_s=2.0)
+                            if r.peer_id in members and r.outer_step < self.outer_step)
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                logger.warning(f"{self._tag()} leaving although member(s) {behind} of the last round have not "
+                               f"committed it after {timeout_s:.0f}s")
+                return
+            time.sleep(0.2)

@@ -176,3 +176,42 @@ def test_a_peer_the_leader_did_not_expect_does_not_take_an_expected_peers_place(
     finally:
         for averager in averagers:
             averager.shutdown()
+
+
+def test_a_leaving_peer_waits_until_the_other_members_of_its_last_round_have_committed_it(dhts, monkeypatch):
+    """A peer's own result of a round can be complete while its averages are still on their way to a slower member;
+    leaving at once (as a worker does at --until-outer-step) stopped its p2p daemon under them. close() waits until
+    the members' records show the round committed, and no longer than LEAVE_WAIT_S."""
+    from p2ptrain import diloco
+
+    monkeypatch.setattr(diloco, "LEAVE_WAIT_S", 4.0)
+    nodes = dhts(3)
+    peers = [optimizer(node, "leave", matchmaking_time_s=1.0) for node in nodes]
+    (model_a, a), (model_b, b), (model_c, c) = peers
+    try:
+        run_threads(*(partial(train, model, opt, LOCAL_STEPS) for model, opt in peers))
+        assert [r.group_size for r in a.history] == [3], a.history
+        # B's and C's records say they have not committed the round yet (their last averages still on the way)
+        for opt in (b, c):
+            opt.outer_step -= 1
+            opt._publish_progress(force=True)
+
+        def commit(opt, after_s: float) -> None:
+            time.sleep(after_s)
+            opt.outer_step += 1
+            opt._publish_progress(force=True)
+
+        committing = threading.Thread(target=commit, args=(b, 1.5))
+        committing.start()
+        started = time.monotonic()
+        a.close()  # waits for B (commits after 1.5 s) and C (never does, as far as A can tell): the bound
+        waited = time.monotonic() - started
+        committing.join()
+        assert 4.0 <= waited < 4.0 + 3.0, waited
+        commit(c, 0.0)
+        started = time.monotonic()
+        b.close()  # its last group is A (gone, record withdrawn) and C (committed): nothing to wait for
+        assert time.monotonic() - started < 2.0
+    finally:
+        for _, opt in peers:
+            opt.close()
