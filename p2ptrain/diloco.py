@@ -32,9 +32,10 @@ from hivemind.utils import get_dht_time
 
 from p2ptrain.averaging import PseudoGradientAverager, RoundResult
 from p2ptrain.averaging.averager import PROTOCOL_VERSION
-from p2ptrain.averaging.compression import COMPRESSIONS, ERROR_FEEDBACK_BY_DEFAULT, wire_residual_
+from p2ptrain.averaging.compression import COMPRESSIONS, ERROR_FEEDBACK_BY_DEFAULT
 from p2ptrain.averaging.state_transfer import flatten_state, unflatten_state
 from p2ptrain.finite import all_finite
+from p2ptrain.outer import add_error_feedback_, outer_step_, pseudo_gradient_
 from p2ptrain.swarm.progress import ProgressPublisher, RunMismatch, check_run_settings, fetch_progress
 
 logger = logging.getLogger(__name__)
@@ -404,8 +405,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 return record
         diverged = False
         with self.averager.get_tensors() as buffers:
-            for buffer, g, p in zip(buffers, self.global_params, self.params):
-                torch.sub(g, p.detach().to("cpu", torch.float32), out=buffer)
+            pseudo_gradient_(buffers, self.global_params, self.params)
             if not all(all_finite(buffer) for buffer in buffers):
                 # local training diverged: contribute nothing (weight 0, zeros) but still take the group's average,
                 # which puts this peer back on the shared parameters; the group is not kept waiting for us
@@ -420,9 +420,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             elif self._residuals is not None:
                 # error feedback: send what the wire dropped last time too, and keep what it will drop of this
                 # (the same parts, rounded the same way as the all-reduce will); kept only if the round averages
-                for buffer, residual in zip(buffers, self._residuals):
-                    buffer.add_(residual)
-                wire_residual_(self._residuals, buffers, self.averager.codec, self.averager.part_size_bytes)
+                add_error_feedback_(buffers, self._residuals, self.averager.codec, self.averager.part_size_bytes)
 
         result, attempts = self._average(weight=0.0 if diverged else float(max(self.samples_since_sync, 1)),
                                          outlook=outlook)
@@ -459,13 +457,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def _apply(self, started: float, result: Optional[RoundResult], attempts: int, **flags) -> SyncRecord:
         """The outer step with what the buffers hold (the group's average, or our own pseudo-gradient)."""
         with self.averager.get_tensors() as buffers, self._state_lock:
-            for g, buffer in zip(self.global_params, buffers):
-                g.grad = buffer
-            self.outer_optimizer.step()
-            for g in self.global_params:
-                g.grad = None
-            for p, g in zip(self.params, self.global_params):
-                p.copy_(g)  # to the parameter's own device and dtype
+            outer_step_(self.outer_optimizer, self.global_params, buffers, self.params)
             self.outer_step += 1
             self._committed_local_step = self.local_step
         self._digest = self._global_digest()  # outside the averager's lock: hashing needs none of its buffers

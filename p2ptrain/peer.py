@@ -48,6 +48,7 @@ from p2ptrain.hsdp import (
 from p2ptrain.lifeline import follow_parent
 from p2ptrain.memory import GiB, check_memory
 from p2ptrain.model import build_model, model_config
+from p2ptrain.outer import make_outer_optimizer
 from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht, visible_maddrs
 from p2ptrain.swarm.progress import ProgressPublisher, fetch_progress
 from p2ptrain.swarm.reachability import connection_counts
@@ -253,11 +254,8 @@ class Worker:
                 dht=dht,
                 run_id=cfg.run_id,
                 local_steps=diloco_cfg.local_steps,
-                outer_optimizer=partial(
-                    # Nesterov needs momentum: diloco.outer_momentum = 0 (allowed) is plain SGD
-                    torch.optim.SGD, lr=diloco_cfg.outer_lr, momentum=diloco_cfg.outer_momentum,
-                    nesterov=diloco_cfg.outer_momentum > 0
-                ),
+                outer_optimizer=partial(make_outer_optimizer, lr=diloco_cfg.outer_lr,
+                                        momentum=diloco_cfg.outer_momentum),
                 compression=diloco_cfg.compression,
                 matchmaking_time_s=diloco_cfg.matchmaking_time_s,
                 late_peer_wait_s=diloco_cfg.late_peer_wait_s,

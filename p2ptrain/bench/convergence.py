@@ -22,10 +22,11 @@ from typing import Callable, Dict, List, Optional
 import torch
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 
-from p2ptrain.averaging.compression import ERROR_FEEDBACK_BY_DEFAULT, get_compression, wire_parts
+from p2ptrain.averaging.compression import ERROR_FEEDBACK_BY_DEFAULT, get_compression
 from p2ptrain.config import DiLoCoConfig
 from p2ptrain.data import ShardedBatches, eval_batches, evaluate, load_corpus, split_train_val
 from p2ptrain.model import build_model
+from p2ptrain.outer import add_error_feedback_, group_average, make_outer_optimizer, outer_step_, pseudo_gradient_
 
 
 @dataclass(frozen=True)
@@ -76,21 +77,16 @@ def run_data_parallel(setup: Setup, cfg: DiLoCoConfig = DiLoCoConfig()) -> float
     return evaluate(model, held_out)
 
 
-def _wire(tensor: torch.Tensor, codec) -> torch.Tensor:
-    parts = wire_parts(tensor, codec, DEFAULT_PART_SIZE_BYTES)
-    return torch.cat([codec.roundtrip(part).view(-1) for part in parts]).view_as(tensor)
-
-
 def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
                cfg: DiLoCoConfig = DiLoCoConfig()) -> float:
+    """Every replica in this process; the round is p2ptrain.outer's, the one the swarm's optimizer runs."""
     shards, held_out = _data(setup)
     codec = get_compression(compression)
     feedback = compression in ERROR_FEEDBACK_BY_DEFAULT
     models = [build_model(setup.model, seed=setup.seed) for _ in range(setup.peers)]
     inners = [_inner(m.parameters(), cfg) for m in models]
     global_params = [p.detach().clone().requires_grad_(True) for p in models[0].parameters()]
-    outer = torch.optim.SGD(global_params, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-                            nesterov=cfg.outer_momentum > 0)  # as the Worker builds it
+    outer = make_outer_optimizer(global_params, lr=cfg.outer_lr, momentum=cfg.outer_momentum)
     residuals = [[torch.zeros_like(g) for g in global_params] for _ in models] if feedback else None
     for step in range(1, setup.steps + 1):
         for model, inner, shard in zip(models, inners, shards):
@@ -100,20 +96,17 @@ def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
             inner.zero_grad()
         if step % local_steps:
             continue
+        contributions = []
+        for i, model in enumerate(models):
+            sent = [torch.empty_like(g) for g in global_params]
+            pseudo_gradient_(sent, global_params, list(model.parameters()))
+            if residuals is not None:
+                add_error_feedback_(sent, residuals[i], codec, DEFAULT_PART_SIZE_BYTES)
+            contributions.append(sent)
+        # every replica trained on the same number of samples since the last round: equal weights
+        average = group_average(contributions, [1.0] * len(models), codec, DEFAULT_PART_SIZE_BYTES)
+        outer_step_(outer, global_params, average)
         with torch.no_grad():
-            for j, g in enumerate(global_params):
-                sent = []
-                for i, model in enumerate(models):
-                    delta = g - list(model.parameters())[j]
-                    if residuals is not None:
-                        delta = delta + residuals[i][j]
-                    wired = _wire(delta, codec)
-                    if residuals is not None:
-                        residuals[i][j] = delta - wired
-                    sent.append(wired)
-                g.grad = _wire(torch.stack(sent).mean(0), codec)
-            outer.step()
-            outer.zero_grad()
             for model in models:
                 for p, g in zip(model.parameters(), global_params):
                     p.copy_(g)

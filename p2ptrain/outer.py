@@ -1,0 +1,82 @@
+"""DiLoCo's outer step over plain tensors: no network, no processes.
+
+One round, for every peer of a group: its pseudo-gradient (the parameters at the last sync minus its parameters now),
+plus what the wire dropped of its last one (error feedback), goes through the codec; the group averages the rounded
+contributions weighted by the samples behind them, and the average is rounded again on its way back; an outer SGD with
+Nesterov momentum applies it to the global parameters, and every replica restarts from them.
+
+``DiLoCoOptimizer`` runs these around the network's all-reduce, which computes ``group_average`` in pieces across the
+peers (``averaging.allreduce``); the convergence benchmark runs the whole round in one process; the tests hold both to
+a written-out reference.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from p2ptrain.averaging.compression import WireCodec, wire_parts, wire_residual_
+
+
+@torch.no_grad()
+def pseudo_gradient_(out: Sequence[torch.Tensor], global_params: Sequence[torch.Tensor],
+                     params: Sequence[torch.Tensor]) -> None:
+    """``out[i] = global_params[i] - params[i]``, in ``out``'s dtype and device (the averager's fp32 CPU buffers)."""
+    for buffer, g, p in zip(out, global_params, params, strict=True):
+        torch.sub(g, p.detach().to(buffer.device, buffer.dtype), out=buffer)
+
+
+@torch.no_grad()
+def add_error_feedback_(buffers: Sequence[torch.Tensor], residuals: Sequence[torch.Tensor], codec: WireCodec,
+                        part_size_bytes: int) -> None:
+    """Send what the wire dropped last time too (``buffers += residuals``), and keep what it will drop of this
+    contribution (``residuals = buffers - wire(buffers)``), cut and rounded as the all-reduce will."""
+    for buffer, residual in zip(buffers, residuals, strict=True):
+        buffer.add_(residual)
+    wire_residual_(list(residuals), buffers, codec, part_size_bytes)
+
+
+@torch.no_grad()
+def wire_roundtrip(tensor: torch.Tensor, codec: WireCodec, part_size_bytes: int) -> torch.Tensor:
+    """What a peer receives of ``tensor``: each all-reduce part compressed and decompressed."""
+    parts = wire_parts(tensor, codec, part_size_bytes)
+    return torch.cat([codec.roundtrip(part).view(-1) for part in parts]).view_as(tensor)
+
+
+@torch.no_grad()
+def group_average(contributions: Sequence[Sequence[torch.Tensor]], weights: Sequence[float], codec: WireCodec,
+                  part_size_bytes: int) -> List[torch.Tensor]:
+    """What every member of a group holds after the all-reduce: per tensor, the mean of the members' rounded
+    contributions weighted by ``weights`` (their samples; 0 adds nothing, and a group that all weighs 0 gets zeros),
+    rounded again on the way back. ``contributions[k]`` is member k's list of tensors, in the group's order."""
+    if len(contributions) != len(weights):
+        raise ValueError(f"{len(contributions)} contributions but {len(weights)} weights")
+    total = float(sum(weights)) or 1.0
+    averages = []
+    for tensors in zip(*contributions, strict=True):
+        accumulator = torch.zeros_like(tensors[0], dtype=torch.float32)
+        for tensor, weight in zip(tensors, weights):
+            accumulator.add_(wire_roundtrip(tensor.float(), codec, part_size_bytes), alpha=weight)
+        averages.append(wire_roundtrip(accumulator.div_(total), codec, part_size_bytes))
+    return averages
+
+
+def make_outer_optimizer(global_params: Sequence[torch.Tensor], lr: float, momentum: float) -> torch.optim.SGD:
+    """The outer optimizer: SGD with Nesterov momentum (plain SGD when ``momentum`` is 0)."""
+    return torch.optim.SGD(global_params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+
+@torch.no_grad()
+def outer_step_(outer_optimizer: torch.optim.Optimizer, global_params: Sequence[torch.Tensor],
+                average: Sequence[torch.Tensor], params: Optional[Sequence[torch.Tensor]] = None) -> None:
+    """Apply ``average`` (the group's pseudo-gradient, or this peer's own) as the gradient of the global parameters,
+    then copy them into ``params`` (the model's, in its own device and dtype)."""
+    for g, gradient in zip(global_params, average, strict=True):
+        g.grad = gradient
+    outer_optimizer.step()
+    for g in global_params:
+        g.grad = None
+    if params is not None:
+        for p, g in zip(params, global_params, strict=True):
+            p.copy_(g)
