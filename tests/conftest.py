@@ -3,6 +3,7 @@ leaves no files in the working tree."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import subprocess
@@ -23,7 +24,20 @@ def _tree_status(root: Path) -> Optional[List[str]]:
     return out.stdout.splitlines() if out.returncode == 0 else None
 
 
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def _become_subreaper() -> None:
+    """Orphans of this run (a p2pd whose peer was SIGKILLed, an averager whose host died) are re-parented to this
+    process instead of to init, so that the reaper below sees them and fails the test that leaked them."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: orphans stay invisible, as before
+        pass
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
+    _become_subreaper()
     # once per run, not in each xdist worker; P2PTRAIN_TREE_CHECK=0 turns it off where people edit the same
     # checkout while the tests run (their new files would count)
     if not hasattr(session.config, "workerinput") and os.environ.get("P2PTRAIN_TREE_CHECK", "1") != "0":
@@ -53,9 +67,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def _is_torch_helper(proc: psutil.Process) -> bool:
-    """torch's shared-memory manager serves this test process for its whole life and exits with it."""
+    """torch's shared-memory manager serves this test process for its whole life and exits with it. A zombie is no
+    helper, but it is dead: it holds no port (an orphan that exited on its own, re-parented here)."""
     try:
-        return proc.name() == "torch_shm_manager"
+        return proc.name() == "torch_shm_manager" or proc.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
 

@@ -1,4 +1,5 @@
-"""tests/conftest.py fails a pytest run that leaves new files in the git working tree."""
+"""tests/conftest.py fails a pytest run that leaves new files in the git working tree, or processes running,
+also ones orphaned by a child that died."""
 
 from __future__ import annotations
 
@@ -53,3 +54,21 @@ def test_files_there_before_the_run_do_not_count_and_the_check_can_be_off(tmp_pa
     assert result.returncode == 1 and "?? new.txt" in result.stdout and "draft.py" not in result.stdout
     (repo / "new.txt").unlink()
     assert _pytest(repo, P2PTRAIN_TREE_CHECK="0").returncode == 0
+
+
+ORPHAN_TEST = """import subprocess, sys, time
+
+def test_it():
+    # a child that starts a grandchild and dies at once: the grandchild is an orphan
+    code = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    time.sleep(0.5)
+"""
+
+
+def test_a_process_orphaned_by_a_dead_child_fails_the_test_that_leaked_it(tmp_path):
+    repo = _repo(tmp_path, "pass")
+    (repo / "test_it.py").write_text(ORPHAN_TEST)
+    result = _pytest(repo, P2PTRAIN_TREE_CHECK="0")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "the test left 1 child process(es) running" in result.stdout, result.stdout
