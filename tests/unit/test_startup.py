@@ -43,7 +43,7 @@ def test_lazy_exports_still_work():
     from p2ptrain import DiLoCoOptimizer, SyncRecord
     from p2ptrain.diloco import DiLoCoOptimizer as direct
 
-    assert DiLoCoOptimizer is direct and SyncRecord.__module__ == "p2ptrain.diloco"
+    assert DiLoCoOptimizer is direct and SyncRecord.__module__ == "p2ptrain.diloco.records"
     assert set(p2ptrain.__all__) <= set(dir(p2ptrain)) | {"DiLoCoOptimizer", "SyncRecord"}
 
 

@@ -1,0 +1,489 @@
+"""``DiLoCoOptimizer``: the optimizer API (inner steps, syncs, checkpoints), the outer step and the peer's life
+(progress records, leaving); the rounds and the state transfer are its mixins (``rounds``, ``state``)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+import time
+from typing import Any, Callable, Iterable, List, Optional
+
+import torch
+from hivemind import DHT
+
+from p2ptrain.averaging import PseudoGradientAverager, RoundResult
+from p2ptrain.averaging.averager import PROTOCOL_VERSION
+from p2ptrain.averaging.compression import COMPRESSIONS, ERROR_FEEDBACK_BY_DEFAULT
+from p2ptrain.diloco.records import NO_GROUP_POLICIES, Outcome, RoundOutcome, SyncRecord, _digest_of
+from p2ptrain.diloco.rounds import RoundsMixin
+from p2ptrain.diloco.state import StateSharingMixin, _SnapshotRequest
+from p2ptrain.finite import all_finite
+from p2ptrain.outer import add_error_feedback_, outer_step_, pseudo_gradient_
+from p2ptrain.swarm.progress import ProgressPublisher, RunMismatch, check_run_settings, fetch_progress
+
+logger = logging.getLogger(__package__)  # one logger name for the whole optimizer, as users grep for it
+
+LEAVE_WAIT_S = 10.0
+"""a peer that leaves right after a round waits at most this long for the other members to commit it (close)"""
+
+
+class DiLoCoOptimizer(RoundsMixin, StateSharingMixin, torch.optim.Optimizer):
+    """A drop-in ``torch.optim.Optimizer`` that trains with DiLoCo across a hivemind swarm.
+
+    :param params: the model's parameters (or parameter groups), handed to the inner optimizer as they are
+    :param dht: a started ``hivemind.DHT``; its peers with the same ``run_id`` average together
+    :param run_id: namespaces every DHT key of this training run
+    :param local_steps: H, inner steps between syncs
+    :param inner_optimizer: a callable that builds the inner optimizer from ``params`` (e.g. ``partial(AdamW, ...)``)
+    :param outer_optimizer: a callable that builds the outer optimizer from the fp32 global parameters
+    :param compression: wire format of pseudo-gradients: "none" (fp32), "fp16", "bf16" (2 bytes per value) or
+      "int8" (1 byte per value plus an fp32 scale per 1024 values); see ``p2ptrain/averaging/compression.py``
+    :param error_feedback: keep what the wire rounded off this peer's pseudo-gradient (fp32, CPU, one copy of the
+      parameters) and add it to the next one, so that nothing is lost for good. None (default): on for "int8" only.
+      The residual is dropped when the peer takes the swarm's state or its round is not averaged, and it is in
+      neither checkpoints (``state_dict``) nor the state newcomers download
+    :param matchmaking_time_s: how long a round looks for peers beyond those the progress records announce; a
+      round whose announced peers are all in starts at once. Raise it if peers that are plainly alive end up in
+      separate groups (slow links, large swarms)
+    :param late_peer_wait_s: how long a round waits for live peers of this outer step that have not reached the
+      sync point yet, once another peer is ready to average (None: this peer's last inner phase / the peers expected, at
+      least ``matchmaking_time_s``). A peer alone at the sync point waits for the others as long as they make
+      progress: a solo outer step would make all of their inner steps worthless
+    :param averaging_timeout_s: how long the all-reduce itself may take once a group formed; raise it for large
+      models on slow links ("all-reduce timed out" in the log)
+    :param min_group_size: a round needs at least this many peers
+    :param target_group_size: at most this many peers per group (None: no limit); a full group starts at once
+    :param no_group_policy: what a peer does when no group formed: "apply_local" (step with its own
+      pseudo-gradient, logged as a warning) or "wait" (look again, logged, until a group forms or ``close()``)
+    :param batch_size: samples per inner step, the default weight unit of ``step`` (``step(batch_size=...)`` wins)
+    :param client_mode: never accept incoming connections (for peers behind NAT); defaults to the DHT's mode
+    :param averager_start_timeout_s: how long the averager process may take to start
+    :param progress_period_s: how often the peer's progress record in the DHT is refreshed between syncs
+    :param progress: publish progress through this publisher (e.g. one that already carries a shard claim)
+    :param catch_up_mid_phase: when the live peers' records show the swarm at a later outer step (this peer was
+      left out of a round: paused, or later than ``late_peer_wait_s``), take the swarm's state at the next inner
+      step instead of finishing an inner phase whose pseudo-gradient nobody will average. Off for a peer of
+      several ranks, whose ranks catch up together at a sync (``hsdp.ShardedDiLoCo``)
+    :param max_norm_ratio: a peer's part of the all-reduce (or a reducer's average) whose norm exceeds this many
+      times this peer's own values over the same range is refused and the peer excluded for a while; None: no bound
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        *,
+        dht: DHT,
+        run_id: str,
+        local_steps: int,
+        inner_optimizer: Callable[..., torch.optim.Optimizer],
+        outer_optimizer: Callable[..., torch.optim.Optimizer],
+        compression: str = "fp16",
+        error_feedback: Optional[bool] = None,
+        matchmaking_time_s: float = 5.0,
+        late_peer_wait_s: Optional[float] = None,
+        averaging_timeout_s: float = 60.0,
+        min_group_size: int = 2,
+        target_group_size: Optional[int] = None,
+        no_group_policy: str = "apply_local",
+        batch_size: Optional[int] = None,
+        client_mode: Optional[bool] = None,
+        averager_start_timeout_s: float = 60.0,
+        progress_period_s: float = 5.0,
+        progress: Optional[ProgressPublisher] = None,
+        max_norm_ratio: Optional[float] = 10.0,
+        catch_up_mid_phase: bool = True,
+    ):
+        if local_steps < 1:
+            raise ValueError(f"local_steps must be at least 1, got {local_steps}")
+        if no_group_policy not in NO_GROUP_POLICIES:
+            raise ValueError(f"no_group_policy must be one of {NO_GROUP_POLICIES}, got {no_group_policy!r}")
+        if matchmaking_time_s <= 0 or averaging_timeout_s <= 0:
+            raise ValueError("matchmaking_time_s and averaging_timeout_s must be positive")
+        if late_peer_wait_s is not None and late_peer_wait_s < 0:
+            raise ValueError(f"late_peer_wait_s must be at least 0, got {late_peer_wait_s}")
+        if min_group_size < 1:
+            raise ValueError(f"min_group_size must be at least 1, got {min_group_size}")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"unknown compression {compression!r}; use one of: {', '.join(COMPRESSIONS)}")
+
+        self.inner_optimizer = inner_optimizer(params)
+        # share the inner optimizer's groups and state: schedulers, grad clipping and zero_grad see the real thing
+        super().__init__([p for group in self.inner_optimizer.param_groups for p in group["params"]], {})
+        self.param_groups = self.inner_optimizer.param_groups
+        self.state = self.inner_optimizer.state
+        self.defaults = self.inner_optimizer.defaults
+
+        self.params: List[torch.Tensor] = [p for group in self.param_groups for p in group["params"]]
+        # the global parameters: what every peer agreed on at the last sync, fp32 on CPU
+        self.global_params = [
+            torch.nn.Parameter(p.detach().to("cpu", torch.float32, copy=True), requires_grad=True)
+            for p in self.params
+        ]
+        self.outer_optimizer = outer_optimizer(self.global_params)
+
+        self.dht, self.run_id = dht, run_id
+        self.local_steps = local_steps
+        self.matchmaking_time_s, self.averaging_timeout_s = matchmaking_time_s, averaging_timeout_s
+        self.late_peer_wait_s = late_peer_wait_s
+        self.target_group_size, self.min_group_size = target_group_size, min_group_size
+        self._phase_started = time.monotonic()  # when this peer's current inner phase began (late_peer_wait_s)
+        self.no_group_policy = no_group_policy
+        self.batch_size = batch_size
+        self.local_step = 0
+        self.outer_step = 0
+        self._committed_local_step = 0  # local step at which the last outer step was taken
+        self._donor_in_round = False  # the last downloaded state came from peers in the middle of a round
+        self.samples_since_sync = 0
+        self._steps_since_sync = 0  # inner steps in this peer's pseudo-gradient (the norm check's scale)
+        self.history: List[SyncRecord] = []
+        self._last_group: set = set()  # the other members of our last round that averaged (base58 ids)
+        self._closed = threading.Event()
+        self._interrupted = threading.Event()  # set: stop looking for peers (the peer is leaving)
+        self._sync_lock = threading.Lock()
+        # guards what a newcomer downloads (global params, outer and inner state, counters) against the training
+        # thread changing it mid-copy; held for one inner step or one outer update at a time
+        self._state_lock = threading.Lock()
+
+        # matchmaking requests must time out well inside the matchmaking window (hivemind's deadlock breaker)
+        self._request_timeout_s = min(3.0, matchmaking_time_s / 2)
+        # the averager owns these buffers (shared memory with its process); we write pseudo-gradients into them
+        pseudo_gradients = [torch.zeros_like(g) for g in self.global_params]
+        self.averager = PseudoGradientAverager(
+            pseudo_gradients,
+            dht,
+            prefix=f"{run_id}_diloco",
+            compression=compression,
+            min_group_size=min_group_size,
+            target_group_size=target_group_size,
+            min_matchmaking_time=matchmaking_time_s,
+            request_timeout=self._request_timeout_s,
+            allreduce_timeout=averaging_timeout_s,
+            next_chunk_timeout=averaging_timeout_s / 2,
+            client_mode=client_mode,
+            shutdown_timeout=5,
+            max_norm_ratio=max_norm_ratio,
+        )
+        self.error_feedback = compression in ERROR_FEEDBACK_BY_DEFAULT if error_feedback is None else error_feedback
+        # error feedback: what the wire dropped of this peer's last averaged pseudo-gradient, to be sent next time.
+        # Not part of the shared state: each peer's own, and dropped whenever its rounding no longer applies
+        self._residuals: Optional[List[torch.Tensor]] = None
+        if self.error_feedback and not self.averager.codec.lossless:
+            self._residuals = [torch.zeros_like(g) for g in self.global_params]
+        self._digest = self._global_digest()
+        self.averager.state_provider = self._shareable_state
+        self.averager.set_host_outer_step(0)
+        self._staging: Optional[torch.Tensor] = None  # shared-memory buffer the state is copied into for donors
+        self._snapshot_request: Optional[_SnapshotRequest] = None
+        self.last_donor_pause_s: Optional[float] = None
+        """how long serving the last snapshot to newcomers held up this peer's training (the state lock)"""
+        self.last_download: Optional[dict] = None
+        """how the last state download went: seconds, bytes, chunks per donor, donors that failed"""
+        if not hasattr(dht, "auth"):
+            logger.warning("this DHT was not started by p2ptrain.swarm.dht.start_dht: its records are not signed, so "
+                           "peers started by p2ptrain (the CLI, start_dht) ignore them; it averages only with peers "
+                           "that also use a plain hivemind.DHT")
+        # a peer with another model or settings would never group with the run's peers (the schema hash differs)
+        # and would wait, or train alone, in silence: refuse it now, naming the difference
+        # (with what the caller knows beyond the tensors: a Worker sets the model's name, shape and seed in progress)
+        settings = {**(progress.settings if progress is not None else {}), **self.run_settings()}
+        try:
+            check_run_settings(settings, fetch_progress(dht, run_id, timeout_s=5.0), run_id)
+        except RunMismatch:
+            if progress is not None:  # a shard claim published it: leave the listing (and the rounds) at once
+                progress.withdraw()
+            raise
+        try:
+            self.averager.start_in_background(timeout_s=averager_start_timeout_s)
+        except Exception as e:
+            if "already set" in str(e):
+                raise ValueError(
+                    f"another DiLoCoOptimizer of run {run_id!r} already uses this DHT; give each optimizer its own "
+                    "hivemind.DHT (or its own run_id)"
+                ) from None
+            raise
+        self.progress = progress or ProgressPublisher(dht, run_id, period_s=progress_period_s)
+        self.progress.client_mode = self.averager.client_mode
+        reachability = getattr(dht, "reachability", None)  # how start_dht chose the mode (swarm/reachability.py)
+        self.progress.reachability = str(reachability) if getattr(reachability, "reason", "") else (
+            "client" if self.averager.client_mode else "public")
+        self._explained_no_group_at = -math.inf
+        self.progress.settings = settings
+        self._throughput_since = time.monotonic()
+        self._throughput_samples = 0
+        self.samples_per_s = 0.0
+        self.catch_up_mid_phase = catch_up_mid_phase
+        self._no_donor_at_outer_step = -1  # a mid-phase catch-up found no donor at this outer step: wait for the sync
+        self.progress.watch_swarm = catch_up_mid_phase
+        self._publish_progress(force=True)
+        self.progress.start_heartbeat()
+
+    # ------------------------------------------------------------------------------------------ the optimizer API
+
+    def step(self, closure: Optional[Callable[[], float]] = None, batch_size: Optional[int] = None):
+        """One inner step; every ``local_steps`` inner steps, also a sync. Returns what the closure returned."""
+        with self._state_lock:
+            loss = self.inner_optimizer.step(closure)
+            self.local_step += 1
+        self._serve_snapshot_request()  # a donor snapshot asked for since the last step: copy it now, on this core
+        samples = batch_size if batch_size is not None else (self.batch_size or 1)
+        self.samples_since_sync += samples
+        self._steps_since_sync += 1
+        self._throughput_samples += samples
+        if self.local_step % self.local_steps == 0:
+            self.sync()
+        elif (self.catch_up_mid_phase and self.progress.swarm_outer_step > self.outer_step
+              and self._no_donor_at_outer_step != self.outer_step):
+            self._catch_up_mid_phase()
+        else:
+            self._publish_progress()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        # the error-feedback residual is left out on purpose: a resumed peer starts without one (at most one
+        # rounding step of its last pseudo-gradient is lost), and a checkpoint stays the same across codecs
+        return {
+            "inner": self.inner_optimizer.state_dict(),
+            "outer": self.outer_optimizer.state_dict(),
+            "global_params": [g.detach().clone() for g in self.global_params],
+            "local_step": self.local_step,
+            "outer_step": self.outer_step,
+            "samples_since_sync": self.samples_since_sync,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict["inner"] is not None:  # None: the caller restores the inner optimizer itself (sharded peers)
+            self.inner_optimizer.load_state_dict(state_dict["inner"])
+        self.outer_optimizer.load_state_dict(state_dict["outer"])
+        with torch.no_grad():
+            for g, saved in zip(self.global_params, state_dict["global_params"], strict=True):
+                g.copy_(saved)
+        self._digest = self._global_digest()
+        self.local_step = state_dict["local_step"]
+        self.outer_step = state_dict["outer_step"]
+        self._committed_local_step = self.local_step
+        self.averager.set_host_outer_step(self.outer_step)
+        self.samples_since_sync = state_dict["samples_since_sync"]
+        self._steps_since_sync = self.local_step % self.local_steps
+        self._reset_residuals()
+
+    # ------------------------------------------------------------------------------------------------- the sync
+
+    def sync(self) -> SyncRecord:
+        """Average pseudo-gradients with the swarm and take one outer step. Never raises for network failures."""
+        # close() from another thread waits for this lock: shutting the averager down under a running step()
+        # would leave that step waiting for an answer from a process that is gone
+        with self._sync_lock:
+            return self._sync()
+
+    @torch.no_grad()
+    def _sync(self) -> SyncRecord:
+        started = time.perf_counter()
+        self._update_throughput()
+        # tell the others we are at the sync point now, not at the next periodic refresh: a round waits for the
+        # live peers that have not got there yet (_plan_round), and would wait for us too
+        self._publish_progress(force=True)
+        outlook = self.round_outlook()  # one read of the records: this check, and the first attempt's plan
+        if outlook.ahead:
+            # behind already (paused, or a round went on without us): matchmaking at this outer step is doomed
+            logger.warning(f"{self._tag()} the swarm has moved past outer step {self.outer_step}; discarding this "
+                           "peer's stale pseudo-gradient and taking the state from live peers")
+            record = self._catch_up_and_join(started, attempts=0)
+            if record is not None:
+                return record
+        diverged = False
+        with self.averager.get_tensors() as buffers:
+            pseudo_gradient_(buffers, self.global_params, self.params)
+            if not all(all_finite(buffer) for buffer in buffers):
+                # local training diverged: contribute nothing (weight 0, zeros) but still take the group's average,
+                # which puts this peer back on the shared parameters; the group is not kept waiting for us
+                diverged = True
+                for buffer in buffers:
+                    buffer.zero_()
+                self._reset_residuals()
+                logger.error(
+                    f"{self._tag()} the pseudo-gradient has NaN/inf values (local training diverged); "
+                    "discarding this peer's local progress since the last sync; lower inner_lr if this repeats"
+                )
+            elif self._residuals is not None:
+                # error feedback: send what the wire dropped last time too, and keep what it will drop of this
+                # (the same parts, rounded the same way as the all-reduce will); kept only if the round averages
+                add_error_feedback_(buffers, self._residuals, self.averager.codec, self.averager.part_size_bytes)
+
+        outcome = self._average(weight=0.0 if diverged else float(max(self.samples_since_sync, 1)), outlook=outlook)
+        if outcome.kind is not Outcome.AVERAGED:
+            # nothing went through the wire: the peer applies its pseudo-gradient unrounded (apply_local), takes
+            # the swarm's state (behind) or abandons the round; either way there is no rounding error to carry
+            self._reset_residuals()
+        if outcome.kind is Outcome.BEHIND:
+            logger.warning(
+                f"{self._tag()} the swarm has moved past outer step {self.outer_step}; discarding this peer's "
+                "stale pseudo-gradient and taking the state from live peers"
+            )
+            record = self._catch_up_and_join(started, outcome.attempts)
+            if record is not None:
+                return record
+            # nobody could give us the state: fall back to the no-group policy
+        if outcome.kind is not Outcome.AVERAGED and self._interrupted.is_set():
+            # leaving: commit nothing the swarm did not. The local progress stays in the model's parameters (and in
+            # a checkpoint, with the global ones), so a resumed peer takes this round up again.
+            logger.warning(f"{self._tag()} leaving: abandoning this round without an outer step")
+            return self._record(started, None, outcome.attempts, abandoned=True)
+        match outcome:
+            case RoundOutcome(kind=Outcome.AVERAGED):
+                pass
+            case RoundOutcome(attempts=0):  # alone in the swarm: nobody to wait for
+                logger.info(f"{self._tag()} applying this peer's own pseudo-gradient: no other live peer of run "
+                            f"{self.run_id!r} is at this outer step")
+            case _:  # the buffers still hold our own pseudo-gradient: a failed round never writes them
+                self._explain_no_group()
+                logger.warning(
+                    f"{self._tag()} no group formed after {outcome.attempts} attempt(s); applying this peer's own "
+                    "pseudo-gradient (no_group_policy=apply_local)"
+                )
+        return self._apply(started, outcome.result, outcome.attempts)
+
+    @torch.no_grad()
+    def _apply(self, started: float, result: Optional[RoundResult], attempts: int, **flags) -> SyncRecord:
+        """The outer step with what the buffers hold (the group's average, or our own pseudo-gradient)."""
+        with self.averager.get_tensors() as buffers, self._state_lock:
+            outer_step_(self.outer_optimizer, self.global_params, buffers, self.params)
+            self.outer_step += 1
+            self._committed_local_step = self.local_step
+        self._digest = self._global_digest()  # outside the averager's lock: hashing needs none of its buffers
+        self.averager.set_host_outer_step(self.outer_step)
+        repaired = result is not None and self._repair_if_diverged(result)
+        return self._record(started, result, attempts, repaired=repaired, **flags)
+
+    def _record(
+        self,
+        started: float,
+        result: Optional[RoundResult],
+        attempts: int,
+        caught_up: bool = False,
+        repaired: bool = False,
+        abandoned: bool = False,
+    ) -> SyncRecord:
+        record = SyncRecord(
+            outer_step=self.outer_step,
+            averaged=result is not None,
+            group_size=result.group_size if result else 1,
+            seconds=time.perf_counter() - started,
+            bytes_sent=result.bytes_sent if result else 0,
+            bytes_received=result.bytes_received if result else 0,
+            samples=self.samples_since_sync,
+            failed_fraction=result.failed_fraction if result else 0.0,
+            attempts=attempts,
+            group_outer_steps=sorted(m.get("outer_step", -1) for m in result.gathered.values()) if result else [],
+            caught_up=caught_up,
+            repaired=repaired,
+            abandoned=abandoned,
+            digest=self._digest,
+            finished_at=time.time(),
+            allreduce_s=result.allreduce_s if result else 0.0,
+        )
+        self.history.append(record)
+        me = self.dht.peer_id.to_base58()
+        self._last_group = {peer for peer in result.gathered if peer != me} if result else set()
+        self._phase_started = time.monotonic()
+        if not abandoned:  # an abandoned round's samples are still in the model, to be synced later
+            self.samples_since_sync = 0
+            self._steps_since_sync = 0
+        if result and result.failed_fraction > 0:
+            logger.warning(f"{self._tag()} {result.failed_fraction:.1%} of the vector was not averaged (peer failure)")
+        if result and len(set(record.group_outer_steps)) > 1:
+            logger.warning(f"{self._tag()} group members were at different outer steps {record.group_outer_steps}")
+        logger.info(
+            f"{self._tag()} sync: group_size={record.group_size} seconds={record.seconds:.2f} "
+            f"sent={record.bytes_sent}B received={record.bytes_received}B"
+        )
+        self._publish_progress(force=True)
+        return record
+
+    def _reset_residuals(self) -> None:
+        if self._residuals is not None:
+            for residual in self._residuals:
+                residual.zero_()
+
+    def _global_digest(self) -> str:
+        """A digest of the exact bits of the global parameters: equal on every peer after every committed round."""
+        return _digest_of(self.global_params)
+
+    def run_settings(self) -> dict:
+        """What every peer of the run must agree on (swarm/progress.SETTINGS), as this peer has it."""
+        schema = hashlib.sha256(repr([(tuple(g.shape), str(g.dtype)) for g in self.global_params]).encode())
+        return dict(params_schema=schema.hexdigest()[:16], num_parameters=sum(g.numel() for g in self.global_params),
+                    num_tensors=len(self.global_params), local_steps=self.local_steps,
+                    compression=self.averager.compression_name, protocol=PROTOCOL_VERSION)
+
+    # ------------------------------------------------------------------------------------------ state transfer
+
+    # ------------------------------------------------------------------------------------------- housekeeping
+
+    def _update_throughput(self) -> None:
+        now = time.monotonic()
+        elapsed = now - self._throughput_since
+        if elapsed > 0 and self._throughput_samples:
+            self.samples_per_s = self._throughput_samples / elapsed
+        self._throughput_since, self._throughput_samples = now, 0
+
+    def _publish_progress(self, force: bool = False) -> None:
+        if force or self.progress.due():
+            if not force:
+                self._update_throughput()
+            self.progress.publish(
+                outer_step=self.outer_step,
+                local_step=self.local_step,
+                samples_per_s=self.samples_per_s,
+                samples_since_sync=self.samples_since_sync,
+            )
+
+    def _tag(self) -> str:
+        return f"[{self.dht.peer_id.to_base58()[-8:]} outer_step={self.outer_step}]"
+
+    def interrupt(self) -> None:
+        """Stop waiting for peers: a sync in progress ends after its current attempt (applying this peer's own
+        pseudo-gradient if that attempt fails). Safe to call from a signal handler or another thread."""
+        self._interrupted.set()
+
+    def close(self) -> None:
+        """Stop the averager process. The DHT belongs to the caller and stays up. Safe to call twice."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self.interrupt()
+        # a sync in flight stops retrying once interrupted; let its current attempt finish (bounded)
+        attempt_s = self.matchmaking_time_s + self._request_timeout_s + self.averaging_timeout_s + 15.0
+        acquired = self._sync_lock.acquire(timeout=attempt_s)
+        try:
+            self._wait_for_last_group(LEAVE_WAIT_S)
+            self.progress.withdraw()
+            if self.averager.is_alive():
+                self.averager.shutdown()
+        finally:
+            if acquired:
+                self._sync_lock.release()
+
+    shutdown = close
+
+    def _wait_for_last_group(self, timeout_s: float) -> None:
+        """Before leaving: wait (bounded) until the other members of our last round have committed it too. Our
+        part of that all-reduce may still be on its way to a slower member when we have our own result (a peer that
+        ends the run at an absolute outer step leaves at once); stopping the p2p daemon then would cut it off, and
+        a member whose round failed could no longer take the state from us."""
+        members = self._last_group
+        deadline = time.monotonic() + timeout_s
+        while members and self.averager.is_alive():
+            behind = sorted(r.peer_id[-8:] for r in fetch_progress(self.dht, self.run_id, timeout_s=2.0)
+                            if r.peer_id in members and r.outer_step < self.outer_step)
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                logger.warning(f"{self._tag()} leaving although member(s) {behind} of the last round have not "
+                               f"committed it after {timeout_s:.0f}s")
+                return
+            time.sleep(0.2)

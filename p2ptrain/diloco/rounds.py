@@ -1,0 +1,242 @@
+"""How a sync finds its group: the round's plan from the live peers' progress records, the matchmaking and
+all-reduce attempts, and what their results mean (``RoundsMixin``, part of ``DiLoCoOptimizer``)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Dict, Iterable, List, Optional
+
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.averaging.partition import AllreduceException
+from hivemind.utils import get_dht_time
+
+from p2ptrain.averaging import RoundResult
+from p2ptrain.diloco.records import Outcome, RoundOutcome, RoundOutlook
+from p2ptrain.swarm.progress import fetch_progress
+
+logger = logging.getLogger(__package__)  # one logger name for the whole optimizer, as users grep for it
+
+MAX_INCOMPLETE_RETRIES = 2  # re-runs of a round that a member's failure left incomplete, under any policy
+LATE_PEER_STALL_S = 30.0
+"""a live peer of this outer step whose local step has not moved for this long is not waited for (it is stuck,
+or still starting up: it catches up from the swarm's state when it gets to its sync)"""
+
+
+class RoundsMixin:
+    """The round methods of ``DiLoCoOptimizer``: they read its averager, DHT, counters and settings."""
+
+    def _average(self, weight: float, single_attempt: bool = False,
+                 outlook: Optional[RoundOutlook] = None) -> RoundOutcome:
+        """Run averaging attempts until a group averages, or this peer must go on without one.
+
+        Each attempt is planned from the progress records (``_plan_round``): its group starts as soon as every live
+        peer of this outer step is in, and waits a bounded time for those still in their inner steps. Under
+        "apply_local", a peer goes on alone only when no other live peer is at its outer step: a solo outer step
+        next to such a peer would throw all of that peer's inner steps away (it would have to take our state).
+        Under "wait" it never goes on alone. ``outlook``: the records as the caller just read them (else read here).
+        """
+        attempts, incomplete_retries = 0, 0
+        unjoinable_since: Optional[float] = None  # when ready peers first failed to group with us
+        # members whose range failed a round of this sync: not counted in the target again. They still keep this
+        # peer from stepping alone: a failed round can also name a live member (one stuck behind the dead one)
+        excluded: set = set()
+        late_deadline = None  # set at the first look, from how many peers are expected
+        last_moved: Dict[str, tuple] = {}  # late peer -> (its local step, when we first saw it there)
+        while not self._interrupted.is_set():
+            outlook = outlook if outlook is not None and attempts == 0 else self.round_outlook()
+            if outlook.ahead:
+                return RoundOutcome(Outcome.BEHIND, attempts)
+            now = time.monotonic()
+            for peer, local_step in outlook.late.items():
+                if last_moved.get(peer, (None,))[0] != local_step:
+                    last_moved[peer] = (local_step, now)
+            moving = [peer for peer in outlook.late if now - last_moved[peer][1] < LATE_PEER_STALL_S]
+            ready = [peer for peer in outlook.ready if peer not in excluded]
+            late = [peer for peer in moving if peer not in excluded]
+            if late_deadline is None:
+                late_deadline = now + self._late_peer_wait_s(1 + len(ready) + len(late))
+            alone = not outlook.ready and not moving and not single_attempt and self.no_group_policy == "apply_local"
+            # ... but looks once when others may yet be there with no record to show for it: in a new swarm's first
+            # round (they may still be starting), or when this peer saw another live peer recently (a record that
+            # was slow to store, or a read that timed out, must not make it step alone next to that peer)
+            # (a live peer refreshes its record every period: not seen for two of them, it is gone)
+            recently = time.monotonic() - self.progress.others_seen_at < 2 * self.progress.period_s
+            if alone and (self.outer_step > 0 and not recently or attempts > 0):
+                if attempts == 0:
+                    logger.info(f"{self._tag()} no other live peer is at outer step {self.outer_step}: not "
+                                "looking for a group")
+                break
+            attempts += 1
+            if not self.averager.is_alive():
+                logger.error(f"{self._tag()} the averager process is gone; this peer can no longer average")
+                break
+            target, window_s = self._plan_round(ready, late, late_deadline - now)
+            self.averager.set_round_plan(target, window_s, expected=[*ready, *late],
+                                         max_group_size=self.target_group_size)
+            logger.debug(f"{self._tag()} attempt {attempts}: ready {[p[-8:] for p in ready]}, late "
+                         f"{ {p[-8:]: outlook.late[p] for p in late} } at local step {self.local_step}: "
+                         f"target {target}, window {window_s:.1f}s")
+            incomplete_before = self.averager.incomplete_rounds
+            result = self._attempt(weight, target, window_s, attempts)
+            if result is not None:
+                return RoundOutcome(Outcome.AVERAGED, attempts, result)
+            if single_attempt:
+                break
+            incomplete = self.averager.incomplete_rounds != incomplete_before
+            if incomplete:
+                # a member died mid-round: nothing was applied here. Members that got every part may have committed
+                # the round; give them a moment to say so (then we take their state), else run it again with the
+                # survivors, without waiting for the members whose range failed. Never fall back to our own
+                # pseudo-gradient here: the survivors would each apply a different one.
+                excluded |= self.averager.last_failed_members
+                time.sleep(1.0)
+                if self.swarm_outer_step() > self.outer_step:
+                    return RoundOutcome(Outcome.BEHIND, attempts)
+                if incomplete_retries < MAX_INCOMPLETE_RETRIES:
+                    incomplete_retries += 1
+                    logger.warning(f"{self._tag()} a group member failed mid-round; running the round again with "
+                                   f"the survivors (retry {incomplete_retries}/{MAX_INCOMPLETE_RETRIES})")
+                    continue
+            if not outlook.ready:
+                unjoinable_since = None
+            elif unjoinable_since is None:
+                unjoinable_since = now
+            if self.no_group_policy == "apply_local":
+                if moving and not outlook.ready:
+                    continue  # the others are still training and making progress: wait for them
+                # peers at the sync point that did not group with us are in a round of their own (a failed one
+                # takes at most the averaging timeout) or refuse us: wait that long, then go on
+                # (a peer with weight 0 adds nothing: a group of such peers is refused by all its members alike, so
+                # waiting for one is pointless)
+                if outlook.ready and weight > 0 and \
+                        now - unjoinable_since < self.averaging_timeout_s + self.matchmaking_time_s:
+                    continue
+                break
+            self._explain_no_group()
+            logger.warning(
+                f"{self._tag()} no group formed (attempt {attempts}); waiting for peers (no_group_policy=wait)"
+            )
+        return RoundOutcome(Outcome.ALONE if attempts == 0 else Outcome.NO_GROUP, attempts)
+
+    def _late_peer_wait_s(self, expected: int) -> float:
+        """How long the ready peers wait for late ones. Waiting t seconds idles the ready peers, (expected - 1) * t
+        compute-seconds; leaving a late peer out throws away its phase so far, about phase - t: so the default waits
+        up to a phase / expected (the break-even), and at least the matchmaking window."""
+        if self.late_peer_wait_s is not None:
+            return self.late_peer_wait_s
+        return max(self.matchmaking_time_s, (time.monotonic() - self._phase_started) / max(expected, 2))
+
+    def _plan_round(self, ready: List[str], late: List[str], late_left_s: float) -> tuple[Optional[int], float]:
+        """(target group size, matchmaking window) for one attempt. The group starts the moment it holds every
+        live peer we expect; the window bounds the wait for the ones that are late."""
+        if late and (late_left_s > 0 or not ready):
+            # wait for the late ones too: until the bound while others are ready, else in windows, re-planned
+            target, window_s = 1 + len(ready) + len(late), max(self.matchmaking_time_s, late_left_s)
+        else:
+            target, window_s = (1 + len(ready) if ready else None), self.matchmaking_time_s
+        if self.target_group_size is not None and target is not None:
+            target = min(target, self.target_group_size)
+        if target is not None:
+            target = max(target, self.min_group_size)  # a group of fewer could not start anyway
+        return (target if target is not None else self.target_group_size), window_s
+
+    def _attempt(self, weight: float, target: Optional[int], window_s: float, attempt: int) -> Optional[RoundResult]:
+        """One matchmaking + all-reduce attempt; None if it formed no group or failed (logged at debug level: the
+        caller decides what a failure means)."""
+        try:
+            # peers only group with peers at the same outer step: a peer that fell behind finds nobody and
+            # catches up from live peers instead of averaging a pseudo-gradient computed from stale parameters
+            self.averager.set_group_bits(format(self.outer_step % 256, "08b"))
+            # the leader waits window_s for followers; allow a request timeout on top
+            matchmaking_timeout_s = window_s + self._request_timeout_s + 1.0
+            control = self.averager.step(
+                weight=weight,
+                # the digest of the global parameters this round starts from: every member must have the same
+                gather={"outer_step": self.outer_step, "samples": self.samples_since_sync,
+                        "digest": self._digest,
+                        # a pseudo-gradient of fewer inner steps than H (a newcomer's first, after it took
+                        # the state mid-phase) is smaller than the others': widen its norm check in proportion
+                        "norm_scale": self.local_steps / max(1, min(self._steps_since_sync, self.local_steps))},
+                scheduled_time=get_dht_time() + window_s,
+                timeout=matchmaking_timeout_s,
+                allow_retries=True,
+                wait=False,
+            )
+            # bounded even if the averager process dies mid-round: then this raises TimeoutError
+            result = control.result(timeout=matchmaking_timeout_s + self.averaging_timeout_s + 10.0)
+            if isinstance(result, RoundResult):
+                return result
+        except (AllreduceException, MatchmakingException, TimeoutError, RuntimeError) as e:
+            logger.debug(f"{self._tag()} averaging attempt {attempt} failed: {e!r}")
+        except Exception as e:  # a network failure is a value: log it, never let it kill training
+            logger.warning(f"{self._tag()} averaging attempt {attempt} failed unexpectedly: {e!r}")
+        return None
+
+    def round_outlook(self, excluded: Iterable[str] = ()) -> RoundOutlook:
+        """Read the run's progress records: is the swarm ahead, and who at this outer step is ready or late."""
+        me, excluded = self.dht.peer_id.to_base58(), set(excluded)
+        ready, late, ahead = [], {}, False
+        for record in fetch_progress(self.dht, self.run_id, timeout_s=5.0):
+            if record.peer_id == me or record.peer_id in excluded:
+                continue
+            self.progress.others_seen_at = time.monotonic()
+            ahead |= record.outer_step > self.outer_step
+            if record.outer_step != self.outer_step:
+                continue
+            if record.local_step >= self.local_step:
+                ready.append(record.peer_id)
+            else:
+                late[record.peer_id] = record.local_step
+        return RoundOutlook(ahead=ahead, ready=ready, late=late)
+
+    def swarm_outer_step(self) -> int:
+        """The highest outer step among the run's other live peers (from their progress records), or -1."""
+        me = self.dht.peer_id.to_base58()
+        steps = [r.outer_step for r in fetch_progress(self.dht, self.run_id, timeout_s=5.0) if r.peer_id != me]
+        return max(steps, default=-1)
+
+    def _explain_no_group(self) -> None:
+        """If no group can form because no live peer can lead one (all behind NAT, in client mode), say so: at
+        most once a minute, instead of waiting in silence."""
+        if not self.averager.client_mode or time.monotonic() - self._explained_no_group_at < 60.0:
+            return
+        me = self.dht.peer_id.to_base58()
+        others = [r for r in fetch_progress(self.dht, self.run_id, timeout_s=5.0) if r.peer_id != me]
+        if any(not r.client_mode for r in others):
+            return
+        self._explained_no_group_at = time.monotonic()
+        who = (f"so are all {len(others)} other live peer(s) of run {self.run_id!r}" if others else
+               f"no other peer of run {self.run_id!r} is live")
+        logger.error(
+            f"{self._tag()} no group can form: this peer is behind NAT (client mode) and {who}; only a peer that "
+            "others can dial can lead a group and reduce its parts: start at least one worker on a host with a "
+            "public IP or a forwarded port (README, 'Behind NAT')"
+        )
+
+    def _repair_if_diverged(self, result: RoundResult) -> bool:
+        """Compare the digests the group's members started the round from. If they differ (a peer missed part of an
+        earlier round, applied a local step, or was corrupted), every member agrees on one reference digest (the most
+        common; ties go to the smallest peer id) and the members that did not hold it take the state anew from a peer
+        that did. Returns True if this peer repaired itself."""
+        digests = {peer: info.get("digest") for peer, info in result.gathered.items()}
+        if len(set(digests.values())) <= 1:
+            return False
+        counts: dict = {}
+        for digest in digests.values():
+            counts[digest] = counts.get(digest, 0) + 1
+        reference = min(digests.items(), key=lambda item: (-counts[item[1]], item[0]))[1]
+        mine = digests.get(self.dht.peer_id.to_base58())
+        logger.error(
+            f"{self._tag()} the group started this round from {len(counts)} different parameter versions "
+            f"({', '.join(f'{d[:8]}x{n}' for d, n in counts.items())}); the reference is {reference[:8]}"
+        )
+        if mine == reference:
+            return False
+        # stop serving our state while it is the wrong one, so the download comes from a peer that has the reference
+        self.averager.allow_state_sharing = False
+        try:
+            return self.load_state_from_peers(timeout_s=self.averaging_timeout_s)
+        finally:
+            if not self.averager.client_mode:
+                self.averager.allow_state_sharing = True
