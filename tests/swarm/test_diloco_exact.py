@@ -494,3 +494,51 @@ def test_undecodable_parts_get_the_sender_banned_not_the_reducer_killed(two_dhts
     finally:
         for opt in opts:
             opt.close()
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_half_precision_group_result_by_value_over_several_parts(two_dhts, compression):
+    """The group's result, value by value, is p2ptrain.outer's: each contribution rounded to 2 bytes part by part,
+    weighted by samples, summed in fp32, rounded again; here through a weight matrix of 3 all-reduce parts, so the cutting
+    and the re-assembly of one tensor are checked end to end, not only that the peers agree."""
+    from p2ptrain.outer import group_average, wire_roundtrip
+
+    samples = [8, 24]
+    codec = get_compression(compression)
+    models, opts, starts, sent = [], [], [], []
+    for i, dht in enumerate(two_dhts):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(1024, 600)  # 614,400 weights: 1.2 MB at 2 bytes a value, parts of 512 KiB
+        opt = DiLoCoOptimizer(model.parameters(), dht=dht, run_id=f"half-{compression}", local_steps=1000,
+                              inner_optimizer=INNER, outer_optimizer=OUTER, compression=compression,
+                              matchmaking_time_s=3.0, target_group_size=2)
+        starts.append([p.detach().clone() for p in model.parameters()])
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(i)
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 1e-2)
+        opt.samples_since_sync = samples[i]
+        sent.append([s - p.detach() for s, p in zip(starts[-1], model.parameters())])
+        models.append(model)
+        opts.append(opt)
+    try:
+        part_size = opts[0].averager.part_size_bytes
+        assert len(wire_parts(sent[0][0], codec, part_size)) == 3
+        threads = [threading.Thread(target=opt.sync) for opt in opts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        average = group_average(sent, samples, codec, part_size)
+        # written out: the first outer step of Nesterov SGD moves by lr * (1 + momentum) * gradient
+        want = [s - 0.7 * 1.9 * a for s, a in zip(starts[0], average)]
+        for model, opt in zip(models, opts):
+            assert opt.history[-1].averaged and opt.history[-1].group_size == 2
+            for got, expected in zip(model.parameters(), want):
+                torch.testing.assert_close(got.detach(), expected, rtol=0, atol=1e-6)
+        # and the rounding is there: the plain fp32 mean differs from it
+        exact = [(samples[0] * a + samples[1] * b) / sum(samples) for a, b in zip(*sent)]
+        assert not torch.equal(wire_roundtrip(exact[0], codec, part_size), exact[0])
+    finally:
+        for opt in opts:
+            opt.close()
