@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, Iterable, List, Optional
+from typing import Collection, Dict, Iterable, List, Optional
 
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
@@ -13,7 +13,7 @@ from hivemind.utils import get_dht_time
 
 from p2ptrain.averaging import RoundResult
 from p2ptrain.diloco.records import Outcome, RoundOutcome, RoundOutlook
-from p2ptrain.swarm.progress import fetch_progress
+from p2ptrain.swarm.progress import PeerProgress, fetch_progress
 
 logger = logging.getLogger(__package__)  # one logger name for the whole optimizer, as users grep for it
 
@@ -23,8 +23,31 @@ LATE_PEER_STALL_S = 30.0
 or still starting up: it catches up from the swarm's state when it gets to its sync)"""
 
 
+def outlook_of(records: Iterable[PeerProgress], outer_step: int, local_step: int,
+               last_group: Collection[str] = ()) -> RoundOutlook:
+    """Sort the other live peers' records for the round at ``outer_step``: ready (at this sync point), late (still in
+    their inner steps) or ahead. A member of our last round whose record still shows the step before counts as late:
+    it stores its commit a moment after ours, and a peer that reads the records at once must not think it gone and
+    step alone (seen with a fast peer next to a slow one)."""
+    ready, late, ahead = [], {}, False
+    for record in records:
+        ahead |= record.outer_step > outer_step
+        if record.outer_step == outer_step - 1 and record.peer_id in last_group:
+            late[record.peer_id] = record.local_step
+        elif record.outer_step != outer_step:
+            continue
+        elif record.local_step >= local_step:
+            ready.append(record.peer_id)
+        else:
+            late[record.peer_id] = record.local_step
+    return RoundOutlook(ahead=ahead, ready=ready, late=late)
+
+
 class RoundsMixin:
     """The round methods of ``DiLoCoOptimizer``: they read its averager, DHT, counters and settings."""
+
+    incomplete_settle_s = 1.0
+    """after an incomplete round, how long the members that got every part have to say they committed it"""
 
     def _average(self, weight: float, single_attempt: bool = False,
                  outlook: Optional[RoundOutlook] = None) -> RoundOutcome:
@@ -90,7 +113,7 @@ class RoundsMixin:
                 # survivors, without waiting for the members whose range failed. Never fall back to our own
                 # pseudo-gradient here: the survivors would each apply a different one.
                 excluded |= self.averager.last_failed_members
-                time.sleep(1.0)
+                time.sleep(self.incomplete_settle_s)
                 if self.swarm_outer_step() > self.outer_step:
                     return RoundOutcome(Outcome.BEHIND, attempts)
                 if incomplete_retries < MAX_INCOMPLETE_RETRIES:
@@ -173,22 +196,13 @@ class RoundsMixin:
             logger.warning(f"{self._tag()} averaging attempt {attempt} failed unexpectedly: {e!r}")
         return None
 
-    def round_outlook(self, excluded: Iterable[str] = ()) -> RoundOutlook:
+    def round_outlook(self) -> RoundOutlook:
         """Read the run's progress records: is the swarm ahead, and who at this outer step is ready or late."""
-        me, excluded = self.dht.peer_id.to_base58(), set(excluded)
-        ready, late, ahead = [], {}, False
-        for record in fetch_progress(self.dht, self.run_id, timeout_s=5.0):
-            if record.peer_id == me or record.peer_id in excluded:
-                continue
+        me = self.dht.peer_id.to_base58()
+        records = [r for r in fetch_progress(self.dht, self.run_id, timeout_s=5.0) if r.peer_id != me]
+        if records:
             self.progress.others_seen_at = time.monotonic()
-            ahead |= record.outer_step > self.outer_step
-            if record.outer_step != self.outer_step:
-                continue
-            if record.local_step >= self.local_step:
-                ready.append(record.peer_id)
-            else:
-                late[record.peer_id] = record.local_step
-        return RoundOutlook(ahead=ahead, ready=ready, late=late)
+        return outlook_of(records, self.outer_step, self.local_step, self._last_group)
 
     def swarm_outer_step(self) -> int:
         """The highest outer step among the run's other live peers (from their progress records), or -1."""

@@ -11,7 +11,8 @@ from typing import List, Optional
 
 from p2ptrain.averaging import RoundResult
 from p2ptrain.diloco.records import Outcome, RoundOutlook
-from p2ptrain.diloco.rounds import MAX_INCOMPLETE_RETRIES, RoundsMixin
+from p2ptrain.diloco.rounds import MAX_INCOMPLETE_RETRIES, RoundsMixin, outlook_of
+from p2ptrain.proto.p2ptrain_pb2 import PeerProgress
 
 
 class FakeAverager:
@@ -43,6 +44,7 @@ class Host(RoundsMixin):
         self.target_group_size, self.min_group_size = None, 2
         self._phase_started = time.monotonic()
         self.looks = 0
+        self.incomplete_settle_s = 0.0
 
     def round_outlook(self, excluded=()) -> RoundOutlook:
         self.looks += 1
@@ -166,3 +168,24 @@ def test_a_single_attempt_is_one_attempt():
     host = Host([look(ready=["B"])], ["fail", "ok"])
     outcome = host._average(weight=0.0, single_attempt=True)
     assert outcome.kind is Outcome.NO_GROUP and outcome.attempts == 1
+
+
+def record(peer: str, outer_step: int, local_step: int) -> PeerProgress:
+    return PeerProgress(run_id="r", peer_id=peer, outer_step=outer_step, local_step=local_step)
+
+
+def test_the_records_sorted_into_ready_late_and_ahead():
+    records = [record("B", 5, 100), record("C", 5, 90), record("D", 4, 80), record("E", 6, 0)]
+    outlook = outlook_of(records, outer_step=5, local_step=100)
+    assert outlook == RoundOutlook(ahead=True, ready=["B"], late={"C": 90})  # D is behind: it catches up alone
+    assert not outlook_of(records[:3], outer_step=5, local_step=100).ahead
+
+
+def test_a_member_of_our_last_round_not_yet_showing_its_commit_is_late_not_gone():
+    """A fast peer reads the records right after a round: the slow member's record still shows the step before.
+    Counted as absent, the fast peer stepped alone next to it (CI: group sizes [2, 1, 1])."""
+    records = [record("B", 4, 80), record("D", 4, 70)]
+    outlook = outlook_of(records, outer_step=5, local_step=100, last_group={"B"})
+    assert outlook == RoundOutlook(ahead=False, ready=[], late={"B": 80})
+    host = Host([outlook, look(ready=["B"])], ["fail", "ok"])
+    assert host._average(weight=8.0).kind is Outcome.AVERAGED
