@@ -88,7 +88,7 @@ def reap_children():
     if not leftover:
         return
     # give processes that are already shutting down a moment before calling them leaks
-    _, alive = psutil.wait_procs(leftover, timeout=10)
+    _, alive = psutil.wait_procs(leftover, timeout=float(os.environ.get("P2PTRAIN_REAP_GRACE_S", "10")))
     for proc in alive:
         try:
             proc.kill()

@@ -248,6 +248,7 @@ def test_ctrl_c_in_a_terminal_leaves_cleanly(tmp_path):
     assert "Traceback" not in text and "[ERROR]" not in text, text
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: `make test-slow` (CI runs it)
 def test_second_signal_forces_exit_without_orphans(tmp_path):
     proc, log = lone_waiting_worker(tmp_path, "forced")
     children = descendants(proc)

@@ -30,6 +30,7 @@ def write_corpus(path, num_bytes: int) -> None:
     path.write_text("".join(text)[:num_bytes])
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: `make test-slow` (CI runs it)
 def test_two_workers_with_the_default_shards_cover_all_of_the_data(tmp_path):
     corpus = tmp_path / "notes.txt"
     # 16 shards (the default) of ~14 samples of 64 bytes: each smaller than one inner phase (5 steps x 4 samples)

@@ -214,6 +214,7 @@ def run_ranks(nproc: int, tmp_path: Path, name: str, *args: str) -> None:
     assert done.returncode == 0, log.read_text()[-4000:]
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: `make test-slow` (CI runs it)
 def test_sharded_checkpoint_loads_on_another_number_of_ranks(tmp_path):
     """2 ranks train alone for 2 syncs (plus 2 steps) and checkpoint; 1 rank loads it: the same full model, AdamW
     moments, counters and global parameters."""
@@ -306,6 +307,7 @@ def test_a_dead_rank_takes_its_peer_down_cleanly_and_the_swarm_goes_on(tmp_path)
     assert json.loads((tmp_path / "w1.json").read_text())["outer_steps"] == 4
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: `make test-slow` (CI runs it)
 def test_ctrl_c_stops_a_two_rank_peer_cleanly(tmp_path):
     """SIGINT to `join --nproc-per-node 2` (what Ctrl-C sends it): torchrun passes it to the ranks once, they leave
     as a 1-rank peer does (exit checkpoint included), and the command exits 0 with no traceback and no process

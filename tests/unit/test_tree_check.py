@@ -69,6 +69,6 @@ def test_it():
 def test_a_process_orphaned_by_a_dead_child_fails_the_test_that_leaked_it(tmp_path):
     repo = _repo(tmp_path, "pass")
     (repo / "test_it.py").write_text(ORPHAN_TEST)
-    result = _pytest(repo, P2PTRAIN_TREE_CHECK="0")
+    result = _pytest(repo, P2PTRAIN_TREE_CHECK="0", P2PTRAIN_REAP_GRACE_S="1")  # the sleeper will not leave by itself
     assert result.returncode == 1, result.stdout + result.stderr
     assert "the test left 1 child process(es) running" in result.stdout, result.stdout
