@@ -26,6 +26,7 @@ from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
 from p2ptrain.averaging.allreduce import ExactAllReduceRunner
 from p2ptrain.averaging.compression import WireCodec, get_compression
+from p2ptrain.averaging.hivemind_compat import check_hivemind
 from p2ptrain.averaging.state_transfer import StateTransferMixin
 from p2ptrain.finite import all_finite
 from p2ptrain.lifeline import follow_parent, leave_process_group
@@ -88,6 +89,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: DHT, *, compression: str,
                  max_norm_ratio: Optional[float] = 10.0, **kwargs):
+        check_hivemind()  # the internals below are hivemind 1.1.12's: refuse another hivemind in one line
         self.compression_name = compression
         # who may take part: the swarm key's rule (security.SwarmAuth) that start_dht attached to the DHT
         self.auth: SwarmAuth = getattr(dht, "auth", SwarmAuth())

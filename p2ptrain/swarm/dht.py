@@ -146,6 +146,12 @@ def start_dht(config: SwarmConfig) -> hivemind.DHT:
 
     Bounded: an initial peer that does not answer makes this fail after ``bootstrap_timeout_s``, never hang.
     """
+    from p2ptrain.averaging.hivemind_compat import check_hivemind  # here: p2ptrain.averaging imports this module's kin
+
+    try:
+        check_hivemind()
+    except RuntimeError as e:
+        raise SwarmError(str(e)) from None
     check_maddrs(config.initial_peers, "--initial-peers", need_peer_id=True)
     check_maddrs(config.host_maddrs, "--host-maddrs")
     check_maddrs(config.announce_maddrs, "--announce-maddrs")

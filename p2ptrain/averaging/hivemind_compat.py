@@ -1,0 +1,147 @@
+"""The parts of hivemind's internals that p2ptrain relies on, in one checked list.
+
+hivemind has no public hooks for what p2ptrain changes in its averaging (a group target per round, bit-identical
+results, bans, state transfer in chunks, socket clean-up), so p2ptrain subclasses its classes and reaches into
+them. Every such name is listed here with where it is used and why. ``missing_touch_points`` says which of them the
+installed hivemind lacks; ``check_hivemind`` refuses to start on such a hivemind with one line naming the fix, and
+tests/unit/test_hivemind_compat.py has a test per touch point. Upgrading hivemind starts here: read what changed in
+these names, then run that test.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import re
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+SUPPORTED_HIVEMIND = "1.1.12"
+
+
+@dataclass(frozen=True)
+class TouchPoint:
+    owner: str
+    """the hivemind class, dotted"""
+    name: str
+    kind: str
+    """"method": called, patched or replaced by a subclass, with these ``params``; "attribute": an instance attribute
+    that the class sets itself"""
+    used_by: str
+    why: str
+    params: Tuple[str, ...] = ()
+
+    def problem(self) -> Optional[str]:
+        """Why the installed hivemind does not provide this touch point, or None."""
+        module_name, class_name = self.owner.rsplit(".", 1)
+        try:
+            owner = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError) as e:
+            return f"{self.owner} is gone ({e})"
+        if self.kind == "attribute":
+            # "self.x = ...", "self.x: T = ..." or "self.x, self.y = ..."
+            assigned = rf"\bself\.{re.escape(self.name)}\s*(:[^=\n]+)?(,\s*self\.\w+\s*)*=(?!=)"
+            if not re.search(assigned, inspect.getsource(owner)):
+                return f"{self.owner} no longer sets self.{self.name}"
+            return None
+        method = getattr(owner, self.name, None)
+        if not callable(method):
+            return f"{self.owner}.{self.name} is gone"
+        params = tuple(inspect.signature(method).parameters)
+        if params != self.params:
+            return f"{self.owner}.{self.name} takes {params}, not {self.params}"
+        return None
+
+
+_AVERAGER = "hivemind.averaging.averager.DecentralizedAverager"
+_MATCHMAKING = "hivemind.averaging.matchmaking.Matchmaking"
+_RUNNER = "hivemind.averaging.allreduce.AllReduceRunner"
+
+TOUCH_POINTS: Tuple[TouchPoint, ...] = (
+    TouchPoint(_AVERAGER, "_step", "method", "averaging/averager.py",
+               "set the round's target, window and expected peers before hivemind's step reads them",
+               ("self", "step", "future_for_init")),
+    TouchPoint(_AVERAGER, "_aggregate_with_group", "method", "averaging/averager.py",
+               "check members and weights, count bytes, report incomplete rounds",
+               ("self", "group_info", "min_vector_size", "kwargs")),
+    TouchPoint(_AVERAGER, "_run_allreduce_inplace_", "method", "averaging/averager.py",
+               "run ExactAllReduceRunner and write the tensors only when the whole round succeeded",
+               ("self", "tensors", "group_info", "group_id", "kwargs")),
+    TouchPoint(_AVERAGER, "rpc_join_group", "method", "averaging/averager.py",
+               "refuse peers without the swarm's key or banned before matchmaking sees them",
+               ("self", "request", "context")),
+    TouchPoint(_AVERAGER, "_get_current_state_from_host_process", "method", "averaging/state_transfer.py",
+               "a donor's snapshot comes from the training process", ("self",)),
+    TouchPoint(_AVERAGER, "_matchmaking", "attribute", "averaging/averager.py, averaging/state_transfer.py",
+               "the per-round plan and the group key prefix live on the matchmaking object"),
+    TouchPoint(_AVERAGER, "_p2p", "attribute", "averaging/averager.py, averaging/state_transfer.py",
+               "stubs for the state-transfer RPCs and the all-reduce runner"),
+    TouchPoint(_AVERAGER, "_outer_pipe", "attribute", "averaging/state_transfer.py",
+               "send a download request to the averager process, as hivemind's own step does"),
+    TouchPoint(_AVERAGER, "_running_groups", "attribute", "averaging/averager.py",
+               "hand the runner to the RPCs of a group that formed"),
+    TouchPoint(_MATCHMAKING, "_request_join_group", "method", "averaging/averager.py",
+               "never ask a banned peer to lead our group", ("self", "leader")),
+    TouchPoint(_MATCHMAKING, "_check_reasons_to_reject", "method", "averaging/averager.py",
+               "an unexpected follower raises the target instead of taking an expected peer's place",
+               ("self", "request", "context")),
+    TouchPoint(_MATCHMAKING, "target_group_size", "attribute", "averaging/averager.py",
+               "the group starts once it holds the round's target"),
+    TouchPoint(_MATCHMAKING, "min_matchmaking_time", "attribute", "averaging/averager.py", "the round's window"),
+    TouchPoint(_MATCHMAKING, "potential_leaders", "attribute", "averaging/averager.py",
+               "its min_matchmaking_time is the round's window too"),
+    TouchPoint(_MATCHMAKING, "group_key_manager", "attribute", "averaging/averager.py, averaging/state_transfer.py",
+               "the group bits are the outer step: hivemind's rewrite after each group is switched off"),
+    TouchPoint("hivemind.averaging.key_manager.GroupKeyManager", "update_key_on_group_assembled", "method",
+               "averaging/averager.py", "switched off: hivemind rewrote the group bits after every group",
+               ("self", "group_info")),
+    TouchPoint("hivemind.averaging.matchmaking.PotentialLeaders", "min_matchmaking_time", "attribute",
+               "averaging/averager.py", "the round's window"),
+    TouchPoint(_RUNNER, "_communicate_with_peer", "method", "averaging/allreduce.py",
+               "our own contribution goes through the codec too, so every member gets the same bits",
+               ("self", "peer_id")),
+    TouchPoint(_RUNNER, "_accumulate_parts_streaming", "method", "averaging/allreduce.py",
+               "check each received part (finite, shape, weight, norm) and ban its sender",
+               ("self", "stream", "sender_index")),
+    TouchPoint(_RUNNER, "rpc_aggregate_part", "method", "averaging/allreduce.py",
+               "a reducer answers every sender before its round ends (it may be its last)",
+               ("self", "stream", "context")),
+    TouchPoint(_RUNNER, "_get_peer_stub", "method", "averaging/allreduce.py", "count the bytes of each stream",
+               ("self", "peer")),
+    TouchPoint(_RUNNER, "_generate_input_for_peer", "method", "averaging/allreduce.py",
+               "stream our parts to a reducer", ("self", "peer_index")),
+    TouchPoint(_RUNNER, "_ban_sender", "method", "averaging/allreduce.py", "a sender whose part was refused",
+               ("self", "peer_id")),
+    TouchPoint("hivemind.averaging.partition.TensorPartContainer", "_input_parts_by_peer", "attribute",
+               "averaging/allreduce.py", "our own part over a range, the reference of the norm check"),
+    TouchPoint("hivemind.averaging.partition.TensorPartReducer", "check_current_part_finished", "method",
+               "averaging/allreduce.py", "a part that every sender weighs 0 averages to zeros, not NaN", ("self",)),
+    TouchPoint("hivemind.p2p.p2p_daemon.P2P", "_client_listen_maddr", "attribute", "swarm/dht.py",
+               "remove the client's unix socket, which hivemind leaves in /tmp"),
+    TouchPoint("hivemind.p2p.p2p_daemon.P2P", "_daemon_listen_maddr", "attribute", "swarm/dht.py",
+               "remove the daemon's unix socket"),
+    TouchPoint("hivemind.p2p.p2p_daemon.P2P", "_child", "attribute", "swarm/dht.py",
+               "only the P2P that started p2pd owns the daemon's socket"),
+)
+
+
+def missing_touch_points(points: Tuple[TouchPoint, ...] = TOUCH_POINTS) -> List[str]:
+    """What the installed hivemind lacks of ``points``, one line each (empty: all there)."""
+    return [problem for point in points if (problem := point.problem()) is not None]
+
+
+@functools.lru_cache(maxsize=None)
+def _missing_once() -> Tuple[str, ...]:
+    return tuple(missing_touch_points())
+
+
+def check_hivemind() -> None:
+    """Raise RuntimeError, in one line naming the fix, if the installed hivemind lacks a touch point."""
+    missing = _missing_once()
+    if missing:
+        import hivemind
+
+        raise RuntimeError(f"hivemind {hivemind.__version__} is not the one p2ptrain was written for "
+                           f"({missing[0]}{f'; and {len(missing) - 1} more' if len(missing) > 1 else ''}); "
+                           f"install it with: pip install hivemind=={SUPPORTED_HIVEMIND}")
