@@ -41,6 +41,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
+from p2ptrain.averaging.hivemind_compat import own_input_part, own_input_part_shapes
 from p2ptrain.averaging.compression import WireCodec, WireFormatError
 from p2ptrain.faults import kill_this_peer
 from p2ptrain.finite import all_finite
@@ -64,13 +65,18 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._max_norm_ratio = max_norm_ratio
         self._on_bad_peer = on_bad_peer or (lambda peer, reason: None)
         self._own_norms: Dict[tuple, float] = {}
+        # ... or, for a range where our own values happen to be small (a bias of 2 values whose steps cancelled out),
+        # than the ratio times what our whole vector holds per value over that many values: over a few values, two
+        # honest peers' norms can differ by any factor, and refusing one split a group (seen in CI)
+        local = list(self.tensor_part_container.local_tensors)
+        values = sum(t.numel() for t in local)
+        squares = sum(float(torch.linalg.vector_norm(t.float())) ** 2 for t in local)
+        self._own_rms = math.sqrt(squares / values) if values else 0.0
         self._codec = self.tensor_part_container.compression
         if not isinstance(self._codec, WireCodec):
             raise TypeError(f"ExactAllReduceRunner needs a p2ptrain WireCodec, got {self._codec!r}")
         # shape of each part of each reducer's range: an average that comes back in another shape is a failure
-        self._part_shapes_by_peer = [
-            [part.shape for part, _ in parts] for parts in self.tensor_part_container._input_parts_by_peer
-        ]
+        self._part_shapes_by_peer = own_input_part_shapes(self.tensor_part_container)
         # fault injection (p2ptrain.faults): SIGKILL this peer after answering that many averaged parts
         self._die_after_parts = die_after_parts
         self._parts_answered = 0
@@ -179,7 +185,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 if part_index >= len(expected_shapes) or average.shape != expected_shapes[part_index]:
                     problem = f"an average of shape {tuple(average.shape)} for part #{part_index}"
                 else:
-                    own = self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0]
+                    own = own_input_part(self.tensor_part_container, peer_index, part_index)
                     problem = self._check_values(("sent", peer_index, part_index), average, own,
                                                  f"an average for part #{part_index}")
                 if problem:
@@ -262,14 +268,15 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     def _check_values(self, key: tuple, values: torch.Tensor, own: torch.Tensor, what: str) -> str:
         """Why ``values`` (a peer's part, or an average a reducer sent) must not be used: non-finite, or larger
-        than ``max_norm_ratio`` times our own values over the same range. Empty if they may."""
+        than ``max_norm_ratio`` times our own values over the same range (or, if larger, times our whole vector's
+        RMS over as many values). Empty if they may."""
         if not all_finite(values):
             return f"{what} with NaN or infinite values"
         if self._max_norm_ratio is None:
             return ""
         if key not in self._own_norms:
             self._own_norms[key] = float(torch.linalg.vector_norm(own.float()))
-        own_norm = self._own_norms[key]
+        own_norm = max(self._own_norms[key], self._own_rms * math.sqrt(values.numel()))
         norm = float(torch.linalg.vector_norm(values.float()))
         if own_norm > 0 and norm > self._max_norm_ratio * own_norm:
             return (f"{what} with norm {norm:.4g}, more than {self._max_norm_ratio:g}x our own {own_norm:.4g} over "

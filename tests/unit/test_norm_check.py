@@ -1,0 +1,39 @@
+"""The all-reduce's norm check (ExactAllReduceRunner._check_values): a part far larger than ours is refused, a small
+range where our own values happen to be tiny is not (honest peers' norms over a few values can differ by any factor;
+refusing one banned an honest peer and split a group in CI)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+
+from p2ptrain.averaging.allreduce import ExactAllReduceRunner
+
+
+def check(values, own, own_rms: float, ratio: float = 10.0) -> str:
+    host = SimpleNamespace(_max_norm_ratio=ratio, _own_norms={}, _own_rms=own_rms)
+    return ExactAllReduceRunner._check_values(host, ("received", 0), values, own, "part #0")
+
+
+def test_a_part_ten_times_larger_than_ours_is_refused():
+    own = torch.full((1000,), 0.01)  # norm 0.316; our whole vector has the same RMS, 0.01
+    assert check(own * 9.9, own, own_rms=0.01) == ""
+    assert check(own * 10.5, own, own_rms=0.01).startswith("part #0 with norm 3.32, more than 10x our own 0.316")
+
+
+def test_a_small_range_where_our_values_cancelled_is_judged_against_our_whole_vector():
+    own = torch.tensor([1e-5, -1e-5])  # a bias whose steps cancelled out
+    theirs = torch.tensor([0.02, 0.03])  # another honest peer's: 2000x ours, ordinary for the vector (RMS 0.01)
+    assert check(theirs, own, own_rms=0.01) == ""
+    poison = torch.tensor([1.0, 1.0])  # 100x what our vector holds per value
+    assert "more than 10x our own" in check(poison, own, own_rms=0.01)
+    assert math.isclose(0.01 * math.sqrt(2), 0.01414, rel_tol=1e-3)  # the reference the message names
+    assert "our own 0.01414" in check(poison, own, own_rms=0.01)
+
+
+def test_with_nothing_of_our_own_every_finite_part_is_taken_and_nan_never():
+    zeros = torch.zeros(4)  # a newcomer's contribution to a round it joins with weight 0
+    assert check(torch.full((4,), 1e6), zeros, own_rms=0.0) == ""
+    assert check(torch.tensor([1.0, float("nan"), 0.0, 0.0]), zeros, own_rms=0.0) == "part #0 with NaN or infinite values"
