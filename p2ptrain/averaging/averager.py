@@ -26,7 +26,8 @@ from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
 from p2ptrain.averaging.allreduce import ExactAllReduceRunner
 from p2ptrain.averaging.compression import WireCodec, get_compression
-from p2ptrain.averaging.hivemind_compat import check_hivemind
+from p2ptrain.averaging.hivemind_compat import (SteeredMatchmaking, check_hivemind, matchmaking_of, p2p_of,
+                                                 register_runner)
 from p2ptrain.averaging.state_transfer import StateTransferMixin
 from p2ptrain.finite import all_finite
 from p2ptrain.lifeline import follow_parent, leave_process_group
@@ -107,7 +108,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         # base58 ids of the peers the target counts, comma-separated, and the most a group may hold (0: no cap)
         self._round_expected = mp.Array(ctypes.c_char, MAX_PEER_LIST_BYTES)
         self._round_cap = mp.Value(ctypes.c_int64, 0)
-        self._expected_members: set = set()  # averager process: this step's expected peers, and the unexpected joined
+        self._steered: Optional[SteeredMatchmaking] = None  # averager process: its matchmaking, steered per round
         # base58 ids of the members that failed the last incomplete round, comma-separated (host reads them)
         self._failed_members = mp.Array(ctypes.c_char, MAX_PEER_LIST_BYTES)
         self._init_state_transfer()
@@ -238,51 +239,12 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
             raise MatchmakingException("every member of the group has weight 0: nothing to average")
 
     async def _step(self, **kwargs):
-        matchmaking = self._matchmaking
-        # this round's plan (set_round_plan): the leader of a group starts it once it holds target members, and a
-        # peer's declaration as a potential leader lasts the window. Both are read once per step, before matchmaking
-        matchmaking.target_group_size = self._round_target.value or None
-        matchmaking.min_matchmaking_time = matchmaking.potential_leaders.min_matchmaking_time = \
-            self._round_window_s.value
-        self._expected_members = set(filter(None, self._round_expected.value.decode("ascii", "replace").split(",")))
-        if not getattr(matchmaking, "p2ptrain_guarded", False):
-            # never ask a peer we refuse to lead our group (hivemind's matchmaking has no hook for it)
-            request_join_group = matchmaking._request_join_group
-
-            async def guarded_request_join_group(leader: PeerID):
-                if self.is_banned(leader):
-                    return None
-                return await request_join_group(leader)
-
-            matchmaking._request_join_group = guarded_request_join_group
-
-            # the group bits are the outer step (DiLoCoOptimizer sets them before every attempt). hivemind rewrites
-            # them whenever a group assembles (its bucketing of large swarms), and its own retry of a failed round
-            # within one step then looked for peers under those bits: a peer whose round failed half-way met peers
-            # one outer step ahead (seen in the int8 benchmark, repaired only by the digest check)
-            async def keep_group_bits(group_info: GroupInfo) -> None:
-                return None
-
-            matchmaking.group_key_manager.update_key_on_group_assembled = keep_group_bits
-
-            # an unexpected follower raises the target (set_round_plan): it must not fill an expected peer's place
-            check_request = matchmaking._check_reasons_to_reject
-
-            def check_request_counting_the_unexpected(request, context):
-                target, cap = matchmaking.target_group_size, self._round_cap.value
-                peer = context.remote_id.to_base58()
-                unexpected = target is not None and peer not in self._expected_members and (not cap or target < cap)
-                if unexpected:
-                    matchmaking.target_group_size = target + 1
-                reason = check_request(request, context)
-                if unexpected and reason is None:
-                    self._expected_members.add(peer)
-                elif unexpected:
-                    matchmaking.target_group_size = target
-                return reason
-
-            matchmaking._check_reasons_to_reject = check_request_counting_the_unexpected
-            matchmaking.p2ptrain_guarded = True
+        # this round's plan (set_round_plan), read once per step, before matchmaking
+        if self._steered is None:
+            self._steered = SteeredMatchmaking(matchmaking_of(self), refuses_leader=self.is_banned)
+        expected = filter(None, self._round_expected.value.decode("ascii", "replace").split(","))
+        self._steered.plan(self._round_target.value or None, self._round_window_s.value, expected,
+                           self._round_cap.value)
         return await super()._step(**kwargs)
 
     def start_in_background(self, timeout_s: float) -> None:
@@ -334,7 +296,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
     ) -> RoundResult:
         group_id = group_info.group_id if group_id is None else group_id
         runner = ExactAllReduceRunner(
-            p2p=self._p2p,
+            p2p=p2p_of(self),
             servicer_type=type(self),
             prefix=self.prefix,
             tensors=tensors,
@@ -344,8 +306,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
             on_bad_peer=self.ban,
             **kwargs,
         )
-        assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
-        self._running_groups[group_id].set_result(runner)
+        register_runner(self, group_id, runner)
 
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
             async for _ in runner:

@@ -2,7 +2,9 @@
 
 hivemind has no public hooks for what p2ptrain changes in its averaging (a group target per round, bit-identical
 results, bans, state transfer in chunks, socket clean-up), so p2ptrain subclasses its classes and reaches into
-them. Every such name is listed here with where it is used and why. ``missing_touch_points`` says which of them the
+them. Every such name is listed here with where it is used and why. The reaching in happens here too (the
+accessors and ``SteeredMatchmaking`` below); what stays in the subclasses is the methods they override, which are
+listed as well. ``missing_touch_points`` says which of them the
 installed hivemind lacks; ``check_hivemind`` refuses to start on such a hivemind with one line naming the fix, and
 tests/unit/test_hivemind_compat.py has a test per touch point. Upgrading hivemind starts here: read what changed in
 these names, then run that test.
@@ -15,7 +17,7 @@ import importlib
 import inspect
 import re
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Any, Callable, Collection, List, Optional, Tuple
 
 SUPPORTED_HIVEMIND = "1.1.12"
 
@@ -145,3 +147,97 @@ def check_hivemind() -> None:
         raise RuntimeError(f"hivemind {hivemind.__version__} is not the one p2ptrain was written for "
                            f"({missing[0]}{f'; and {len(missing) - 1} more' if len(missing) > 1 else ''}); "
                            f"install it with: pip install hivemind=={SUPPORTED_HIVEMIND}")
+
+
+class SteeredMatchmaking:
+    """hivemind's ``Matchmaking`` of one averager (averager process), steered per round by p2ptrain.
+
+    hivemind fixes a group's target size and window when the averager is built; p2ptrain plans them per round from
+    the progress records (``plan``). It also never asks a peer it refuses to lead its group, keeps the group bits it
+    set (hivemind rewrote them after every group: a retry within one step then met peers one outer step ahead), and
+    lets a follower it did not expect raise the target instead of taking an expected peer's place."""
+
+    def __init__(self, matchmaking: Any, refuses_leader: Callable[[Any], bool]):
+        self.matchmaking = matchmaking
+        self.expected: set = set()  # base58 ids the target counts, and the unexpected followers accepted since
+        self.cap = 0  # the most members a group may hold (0: no cap)
+        request_join_group = matchmaking._request_join_group
+
+        async def guarded_request_join_group(leader):
+            return None if refuses_leader(leader) else await request_join_group(leader)
+
+        async def keep_group_bits(group_info) -> None:
+            return None
+
+        check_request = matchmaking._check_reasons_to_reject
+
+        def check_request_counting_the_unexpected(request, context):
+            target, peer = matchmaking.target_group_size, context.remote_id.to_base58()
+            unexpected = target is not None and peer not in self.expected and (not self.cap or target < self.cap)
+            if unexpected:
+                matchmaking.target_group_size = target + 1
+            reason = check_request(request, context)
+            if unexpected and reason is None:
+                self.expected.add(peer)
+            elif unexpected:
+                matchmaking.target_group_size = target
+            return reason
+
+        matchmaking._request_join_group = guarded_request_join_group
+        matchmaking.group_key_manager.update_key_on_group_assembled = keep_group_bits
+        matchmaking._check_reasons_to_reject = check_request_counting_the_unexpected
+
+    def plan(self, target: Optional[int], window_s: float, expected: Collection[str], cap: int) -> None:
+        """For the step about to start: a leader starts its group once it holds ``target`` members (None: when the
+        window ends), a declaration as a potential leader lasts ``window_s``."""
+        self.matchmaking.target_group_size = target
+        self.matchmaking.min_matchmaking_time = self.matchmaking.potential_leaders.min_matchmaking_time = window_s
+        self.expected, self.cap = set(expected), cap
+
+
+def matchmaking_of(averager: Any) -> Any:
+    """The averager's hivemind ``Matchmaking`` (made in the averager process when it starts)."""
+    return averager._matchmaking
+
+
+def group_key_prefix(averager: Any) -> str:
+    return averager._matchmaking.group_key_manager.prefix
+
+
+def p2p_of(averager: Any) -> Any:
+    """The averager's replica of its DHT's P2P (made in the averager process when it starts)."""
+    return averager._p2p
+
+
+def send_to_averager_process(averager: Any, method: str, **kwargs) -> None:
+    """Have the averager process run ``averager.<method>(**kwargs)``, as hivemind's own ``step`` does."""
+    averager._outer_pipe.send((method, [], kwargs))
+
+
+async def current_state_from_host(averager: Any) -> tuple:
+    """(metadata, tensors, infos) from the host process's ``get_current_state``."""
+    return await averager._get_current_state_from_host_process()
+
+
+def register_runner(averager: Any, group_id: bytes, runner: Any) -> None:
+    """Hand a group's all-reduce runner to the RPCs that wait for it."""
+    assert group_id in averager._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
+    averager._running_groups[group_id].set_result(runner)
+
+
+def p2p_socket_maddrs(p2p: Any) -> List[Any]:
+    """The multiaddrs of the unix sockets a hivemind P2P made in /tmp: its client's listen socket, and the daemon's
+    control socket if this P2P started p2pd (a replica's daemon socket belongs to the P2P that started it)."""
+    maddrs = [getattr(p2p, "_client_listen_maddr", None)]
+    if getattr(p2p, "_child", None) is not None:
+        maddrs.append(getattr(p2p, "_daemon_listen_maddr", None))
+    return maddrs
+
+
+def own_input_part(container: Any, peer_index: int, part_index: int) -> Any:
+    """This peer's own values of part ``part_index`` of the range reduced by ``peer_index``."""
+    return container._input_parts_by_peer[peer_index][part_index][0]
+
+
+def own_input_part_shapes(container: Any) -> List[List[Any]]:
+    return [[part.shape for part, _ in parts] for parts in container._input_parts_by_peer]

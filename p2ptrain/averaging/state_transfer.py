@@ -41,6 +41,8 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_logger
 from hivemind.utils.timed_storage import ValueWithExpiration
 
+from p2ptrain.averaging.hivemind_compat import (current_state_from_host, group_key_prefix, p2p_of,
+                                                 send_to_averager_process)
 from p2ptrain.faults import fault_from_env, kill_this_peer
 from p2ptrain.proto import p2ptrain_pb2
 
@@ -193,7 +195,7 @@ class StateTransferMixin:
             stale = snapshot is None or snapshot.outer_step != self._host_outer_step.value or \
                 time.monotonic() - snapshot.taken_at > SNAPSHOT_REFRESH_S
             if stale:
-                metadata, tensors, _ = await self._get_current_state_from_host_process()
+                metadata, tensors, _ = await current_state_from_host(self)
                 info = self.serializer.loads(metadata)
                 # the host sends its state flat, in its staging buffer (DiLoCoOptimizer._shareable_state): copy it
                 # before anything else, the host reuses that buffer for the next snapshot
@@ -226,7 +228,7 @@ class StateTransferMixin:
     def download_state(self, timeout_s: float) -> Optional[DownloadedState]:
         """Take the state from live donors (host side; blocks). None if no donor could give a complete state."""
         future = MPFuture()
-        self._outer_pipe.send(("_download_state", [], dict(timeout_s=timeout_s, future=future)))
+        send_to_averager_process(self, "_download_state", timeout_s=timeout_s, future=future)
         return future.result(timeout=timeout_s + 5.0)
 
     async def _download_state(self, timeout_s: float, future: MPFuture) -> None:
@@ -238,7 +240,7 @@ class StateTransferMixin:
                 future.set_result(None)
 
     async def _declared_donors(self) -> List[PeerID]:
-        key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        key = f"{group_key_prefix(self)}.all_averagers"
         found = await self.dht.get(key, latest=True, return_future=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         donors = []
@@ -255,7 +257,7 @@ class StateTransferMixin:
 
     async def _ask_info(self, peer: PeerID) -> Optional[p2ptrain_pb2.StateInfo]:
         try:
-            stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+            stub = self.get_stub(p2p_of(self), peer, namespace=self.prefix)
             request = p2ptrain_pb2.StateInfoRequest(admission=self.auth.token(self.peer_id))
             info = await asyncio.wait_for(stub.rpc_state_info(request), timeout=INFO_TIMEOUT_S)
         except Exception as e:
@@ -326,7 +328,7 @@ class StateTransferMixin:
                             chunks_by_donor: Counter, failed: List[str], deadline: float) -> None:
         """One fetcher: take missing chunk indices from the queue and fetch them from ``peer`` until the queue is
         empty or the donor fails (then the chunk goes back for the other donors' fetchers)."""
-        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stub = self.get_stub(p2p_of(self), peer, namespace=self.prefix)
         while not queue.empty() and str(peer) not in failed:
             index = queue.get_nowait()
             try:

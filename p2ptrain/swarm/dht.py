@@ -121,11 +121,10 @@ _replicas_seen: dict = {}
 def p2p_socket_paths(p2p: P2P) -> List[str]:
     """The unix socket files a hivemind P2P made in /tmp (hivemind-p2pclient-*.sock: its client's listen socket,
     made with the first handler; hivemind-p2pd-*.sock: the daemon's control socket, if this P2P started p2pd)."""
-    maddrs = [getattr(p2p, "_client_listen_maddr", None)]
-    if getattr(p2p, "_child", None) is not None:  # a replica's daemon socket belongs to the P2P that started p2pd
-        maddrs.append(getattr(p2p, "_daemon_listen_maddr", None))
+    from p2ptrain.averaging.hivemind_compat import p2p_socket_maddrs
+
     paths = []
-    for maddr in maddrs:
+    for maddr in p2p_socket_maddrs(p2p):
         with suppress(KeyError, TypeError, ValueError):
             paths.append(maddr["unix"])
     return paths
