@@ -271,6 +271,7 @@ def test_sigkilled_peer_leaves_no_orphans(tmp_path):
         stop_all([proc, boot])
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: `make test-slow` (CI runs it)
 def test_training_survives_the_bootstrap_peer(tmp_path):
     """Once workers found each other, the bootstrap host can vanish (kill -9 of its whole process tree)."""
     boot, maddr = start_bootstrap(tmp_path)

@@ -442,6 +442,7 @@ def test_diverged_global_parameters_are_detected_and_repaired(two_dhts):
             opt.close()
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: `make test-slow` (CI runs it)
 def test_undecodable_parts_get_the_sender_banned_not_the_reducer_killed(two_dhts, monkeypatch):
     """Peer 1's averager sends int8 parts one byte short (its answers as a reducer are well-formed). Peer 0 rejects
     them and bans it from its range instead of crashing; both averagers live on and nothing non-finite lands."""
