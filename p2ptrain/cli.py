@@ -41,7 +41,9 @@ class _TqdmHandler(logging.Handler):
         from tqdm import tqdm
 
         try:
-            tqdm.write(self.format(record), file=sys.stderr)
+            # the line and its newline in one write: tqdm.write makes two, and a forked hivemind process writing to
+            # the same stderr between them glued its line to ours ("...is closedError: could not join", in CI)
+            tqdm.write(self.format(record) + "\n", file=sys.stderr, end="")
         except Exception:
             self.handleError(record)
 

@@ -20,3 +20,26 @@ def test_bars_only_on_a_terminal(tmp_path):
         os.close(leader)
         os.close(follower)
     assert draw_bars(None, object()) is False  # a stream replaced by something without isatty
+
+
+def test_a_log_line_is_one_write_with_its_newline(monkeypatch):
+    """Forked hivemind processes share stderr: a line written in two pieces (text, then newline) let another
+    process's line land between them, and the CLI's one-line error was glued to a warning (CI)."""
+    import io
+    import logging
+    import sys
+
+    from p2ptrain.cli import _TqdmHandler
+
+    writes = []
+
+    class Recording(io.StringIO):
+        def write(self, s):
+            writes.append(s)
+            return super().write(s)
+
+    monkeypatch.setattr(sys, "stderr", Recording())
+    handler = _TqdmHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    handler.emit(logging.LogRecord("p2ptrain", logging.WARNING, __file__, 1, "the loop is closed", None, None))
+    assert [w for w in writes if w] == ["WARNING the loop is closed\n"]
