@@ -40,6 +40,6 @@ def test_a_log_line_is_one_write_with_its_newline(monkeypatch):
 
     monkeypatch.setattr(sys, "stderr", Recording())
     handler = _TqdmHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))  # (level names are renamed by the CLI's setup)
     handler.emit(logging.LogRecord("p2ptrain", logging.WARNING, __file__, 1, "the loop is closed", None, None))
-    assert [w for w in writes if w] == ["WARNING the loop is closed\n"]
+    assert [w for w in writes if w] == ["p2ptrain: the loop is closed\n"]
