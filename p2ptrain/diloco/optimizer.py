@@ -26,6 +26,7 @@ from p2ptrain.swarm.progress import ProgressPublisher, RunMismatch, check_run_se
 logger = logging.getLogger(__package__)  # one logger name for the whole optimizer, as users grep for it
 
 LEAVE_WAIT_S = 10.0
+FORCED_STORE_WAIT_S = 2.0
 """a peer that leaves right after a round waits at most this long for the other members to commit it (close)"""
 
 
@@ -432,6 +433,9 @@ class DiLoCoOptimizer(RoundsMixin, StateSharingMixin, torch.optim.Optimizer):
         self._throughput_since, self._throughput_samples = now, 0
 
     def _publish_progress(self, force: bool = False) -> None:
+        """A periodic refresh in the background; a forced one (our first record, a sync point, a commit) is waited
+        for, at most ``FORCED_STORE_WAIT_S``: a peer reading the records a moment later must see it (a fast peer
+        read before a slow one's record was stored, found itself alone and stepped alone, in CI)."""
         if force or self.progress.due():
             if not force:
                 self._update_throughput()
@@ -440,6 +444,7 @@ class DiLoCoOptimizer(RoundsMixin, StateSharingMixin, torch.optim.Optimizer):
                 local_step=self.local_step,
                 samples_per_s=self.samples_per_s,
                 samples_since_sync=self.samples_since_sync,
+                wait_s=FORCED_STORE_WAIT_S if force else 0.0,
             )
 
     def _tag(self) -> str:

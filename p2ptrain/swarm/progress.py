@@ -184,7 +184,10 @@ class ProgressPublisher:
                 if others:
                     self.others_seen_at = time.monotonic()
 
-    def publish(self, *, outer_step: int, local_step: int, samples_per_s: float, samples_since_sync: int) -> None:
+    def publish(self, *, outer_step: int, local_step: int, samples_per_s: float, samples_since_sync: int,
+                wait_s: float = 0.0) -> None:
+        """Store this peer's record. ``wait_s`` > 0: wait (at most that long) until the DHT has stored it, for a
+        record the other peers must see before they next read (a peer's first, its sync point, its commit)."""
         self._last_fields = dict(outer_step=outer_step, local_step=local_step, samples_per_s=samples_per_s,
                                  samples_since_sync=samples_since_sync)
         if self._heartbeat is None and not self._heartbeat_stop.is_set():
@@ -202,8 +205,13 @@ class ProgressPublisher:
             shard_index=self.shard_index,
             **self.settings,
         )
-        self._store(record.SerializeToString(), get_dht_time() + self.expiration_s)
+        stored = self._store(record.SerializeToString(), get_dht_time() + self.expiration_s)
         self._last_published = time.monotonic()
+        if wait_s > 0:
+            try:
+                stored.result(timeout=wait_s)
+            except Exception as e:  # slow or failed: the heartbeat stores it again
+                logger.debug(f"The progress record was not stored within {wait_s:.1f}s: {e!r}")
 
     def withdraw(self, timeout_s: float = 5.0) -> None:
         """Overwrite our record with an empty one, so we leave `status` on a clean exit. Waits (bounded) for the
