@@ -63,16 +63,29 @@ def follow_parent(poll_s: float = POLL_S) -> None:
     threading.Thread(target=watch, name="p2ptrain-follow-parent", daemon=True).start()
 
 
+SPARED = ("torch_shm_manager",)
+"""torch's shared-memory manager exits by itself once its last client has; killed under a live client, torch's C++
+side throws on the broken pipe and aborts the process (SIGABRT instead of the forced exit's 130, seen in CI)"""
+
+
 def stop_descendants(grace_s: float = TERM_GRACE_S) -> None:
     """SIGTERM every descendant of this process (a chance to exit cleanly), SIGKILL those left after ``grace_s``
-    (0: SIGKILL at once); returns once they are gone (or after 5 s more)."""
-    children = psutil.Process().children(recursive=True)
+    (0: SIGKILL at once); returns once they are gone (or after 5 s more). ``SPARED`` helpers are left to exit with
+    their clients."""
+    children = [c for c in psutil.Process().children(recursive=True) if not _spared(c)]
     alive = children
     if grace_s > 0:
         _signal_all(children, "terminate")
         _, alive = psutil.wait_procs(children, timeout=grace_s)
     _signal_all(alive, "kill")
     psutil.wait_procs(alive, timeout=5)
+
+
+def _spared(proc: psutil.Process) -> bool:
+    try:
+        return proc.name() in SPARED
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _signal_all(processes, how: str) -> None:
