@@ -130,8 +130,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
     @property
     def last_failed_members(self) -> set:
         """Peer ids (base58) of the members whose range failed in the last incomplete round."""
-        raw = self._failed_members.value.decode("ascii", "replace")
-        return {peer for peer in raw.split(",") if peer}
+        return set(_split_ids(self._failed_members.value))
 
     def set_round_plan(self, target_group_size: Optional[int], window_s: float, expected: Iterable[str] = (),
                        max_group_size: Optional[int] = None) -> None:
@@ -242,7 +241,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         # this round's plan (set_round_plan), read once per step, before matchmaking
         if self._steered is None:
             self._steered = SteeredMatchmaking(matchmaking_of(self), refuses_leader=self.is_banned)
-        expected = filter(None, self._round_expected.value.decode("ascii", "replace").split(","))
+        expected = _split_ids(self._round_expected.value)
         self._steered.plan(self._round_target.value or None, self._round_window_s.value, expected,
                            self._round_cap.value)
         return await super()._step(**kwargs)
@@ -352,6 +351,11 @@ def _joined_ids(peer_ids: Iterable[str], max_bytes: int) -> bytes:
             break
         joined += item
     return joined
+
+
+def _split_ids(joined: bytes) -> list:
+    """The ids ``_joined_ids`` joined."""
+    return [peer for peer in joined.decode("ascii", "replace").split(",") if peer]
 
 
 def _without_admission(gathered: Any) -> Any:
