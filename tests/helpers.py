@@ -41,6 +41,17 @@ def wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float = 60) -> 
     raise AssertionError(f"{path} was not written within {timeout_s}s")
 
 
+def exit_code(proc: subprocess.Popen, timeout_s: float, log=None) -> int:
+    """``proc.wait(timeout_s)``, but a process still running then fails the test with the end of ``log`` (a path,
+    or a function that returns the text), so a run that hangs in CI says where it hung."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        tail = "" if log is None else log() if callable(log) else Path(log).read_text()
+        raise AssertionError(f"{' '.join(map(str, proc.args[2:4]))} still running after {timeout_s}s; its log ends:\n"
+                             f"{tail[-4000:]}") from None
+
+
 def descendants(proc: subprocess.Popen) -> List[psutil.Process]:
     try:
         return psutil.Process(proc.pid).children(recursive=True)

@@ -28,7 +28,7 @@ def bench(*args: str, log) -> subprocess.Popen:
 def test_bench_measures_a_rate_limited_swarm_and_cleans_up(tmp_path):
     before = set(leftover_namespaces())
     proc = bench(*ARGS, "--outer-steps", "3", "--out", str(tmp_path / "out"), log=tmp_path / "bench.log")
-    assert proc.wait(timeout=240) == 0, (tmp_path / "bench.log").read_text()[-3000:]
+    assert exit_code(proc, 240, tmp_path / "bench.log") == 0, (tmp_path / "bench.log").read_text()[-3000:]
     assert set(leftover_namespaces()) == before
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     result = report["results"][0]

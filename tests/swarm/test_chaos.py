@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 from p2ptrain.checkpoint import checkpoint_path, load_checkpoint
-from tests.helpers import descendants, own_round, report, start_bootstrap, start_worker, stop_all, wait_until
+from tests.helpers import descendants, exit_code, own_round, report, start_bootstrap, start_worker, stop_all, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
 
@@ -71,7 +71,7 @@ def run_swarm(tmp_path: Path, n: int) -> List[dict]:
     workers = [start_worker(tmp_path, i, maddr, "chaos", *swarm_args(i)) for i in range(n)]
     try:
         for i, proc in enumerate(workers):
-            assert proc.wait(timeout=300) == 0, (tmp_path / f"w{i}.log").read_text()[-3000:]
+            assert exit_code(proc, 300, tmp_path / f"w{i}.log") == 0, (tmp_path / f"w{i}.log").read_text()[-3000:]
         return [report(tmp_path, i) for i in range(n)]
     finally:
         stop_all([*workers, boot])
@@ -165,7 +165,7 @@ def test_chaos_swarm(tmp_path):
         assert_commits_after(tmp_path, live, "a peer left", left_at)
 
         for i in (0, 1):
-            assert procs[i].wait(timeout=200) == 0, (tmp_path / f"w{i}.log").read_text()[-3000:]
+            assert exit_code(procs[i], 200, tmp_path / f"w{i}.log") == 0, (tmp_path / f"w{i}.log").read_text()[-3000:]
     finally:
         stop_all([*procs.values(), boot])
     print(f"chaos run took {time.monotonic() - started:.0f}s")

@@ -14,6 +14,7 @@ from tests.helpers import (
     LOOPBACK,
     assert_all_gone,
     descendants,
+    exit_code,
     own_round,
     p2ptrain,
     report,
@@ -221,7 +222,7 @@ def test_first_signal_leaves_a_waiting_sync_cleanly(tmp_path):
                       "is live", proc)
     children = descendants(proc)
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 0, log.read_text()
+    assert exit_code(proc, 60, log) == 0, log.read_text()
     assert_all_gone(children)
     # a peer that leaves while nobody is there commits nothing: its progress stays for a resume or is dropped
     assert "abandoning this round without an outer step" in log.read_text()
@@ -239,7 +240,7 @@ def test_ctrl_c_in_a_terminal_leaves_cleanly(tmp_path):
         wait_for_log(log, "waiting for peers", proc)
         children = descendants(proc)
         os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=60) == 0, log.read_text()
+        assert exit_code(proc, 60, log) == 0, log.read_text()
         assert_all_gone(children)
     finally:
         stop_all([proc])
@@ -291,7 +292,7 @@ def test_training_survives_the_bootstrap_peer(tmp_path):
         boot.wait(timeout=10)
 
         for i, w in enumerate(workers):
-            assert w.wait(timeout=150) == 0, (tmp_path / f"w{i}.log").read_text()
+            assert exit_code(w, 150, tmp_path / f"w{i}.log") == 0, (tmp_path / f"w{i}.log").read_text()
         for i in range(2):
             rounds = report(tmp_path, i)["rounds"]
             assert report(tmp_path, i)["outer_steps"] == 5
@@ -327,7 +328,7 @@ def test_newcomer_mid_run_takes_the_state_and_joins_rounds(tmp_path):
         for w in workers:
             w.send_signal(signal.SIGINT)
         for i, w in enumerate(workers):
-            assert w.wait(timeout=90) == 0, (tmp_path / f"w{i}.log").read_text()
+            assert exit_code(w, 90, tmp_path / f"w{i}.log") == 0, (tmp_path / f"w{i}.log").read_text()
         old, new = (json.loads((tmp_path / f"w{i}.json").read_text()) for i in (0, 2))
         assert new["state_download_s"] is not None
         # nobody ever averaged a pseudo-gradient from another outer step than the rest of its group

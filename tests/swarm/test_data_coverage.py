@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from tests.helpers import p2ptrain, report, start_bootstrap, start_worker, stop_all, wait_until
+from tests.helpers import exit_code, p2ptrain, report, start_bootstrap, start_worker, stop_all, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
@@ -97,7 +97,7 @@ def test_outer_step_limits_of_a_worker_that_joins_a_run_in_progress(tmp_path):
         procs[2] = start_worker(tmp_path, 2, maddr, "limits", *args, "--max-outer-steps", "2")
         procs[3] = start_worker(tmp_path, 3, maddr, "limits", *args, "--until-outer-step", str(target))
         for i in (2, 3):
-            assert procs[i].wait(timeout=200) == 0, (tmp_path / f"w{i}.log").read_text()[-3000:]
+            assert exit_code(procs[i], 200, tmp_path / f"w{i}.log") == 0, (tmp_path / f"w{i}.log").read_text()[-3000:]
         joined, until = report(tmp_path, 2), report(tmp_path, 3)
         assert joined["start_outer_step"] >= 3 and joined["stopped_by"] == "max_outer_steps"
         own = [r for r in joined["rounds"] if not r["caught_up"]]  # taking the state is not a sync of its own

@@ -19,7 +19,7 @@ import torch
 
 from p2ptrain.data import ShardedBatches, eval_batches, evaluate, load_corpus, split_train_val
 from p2ptrain.model import build_model
-from tests.helpers import LOOPBACK, p2ptrain, report, spawn, start_bootstrap, stop_all, wait_until
+from tests.helpers import LOOPBACK, exit_code, p2ptrain, report, spawn, start_bootstrap, stop_all, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 
@@ -93,7 +93,7 @@ def test_two_workers_started_seconds_apart_train_together_with_the_defaults(tmp_
         time.sleep(3.0)  # the second worker a few seconds later, as by hand
         procs.append(join(tmp_path, 1, maddr, corpus, SYNCS))
         for i, proc in enumerate(procs[1:]):
-            assert proc.wait(timeout=300) == 0, (tmp_path / f"w{i}.log").read_text()[-3000:]
+            assert exit_code(proc, 300, tmp_path / f"w{i}.log") == 0, (tmp_path / f"w{i}.log").read_text()[-3000:]
         # what `status` says of the data once the workers are gone (the bootstrap peer holds the shard cursors)
         shown = p2ptrain("status", "--initial-peers", maddr, "--run-id", "first-swarm", "--json")
         assert shown.returncode == 0, shown.stderr
@@ -154,7 +154,7 @@ def test_a_worker_that_joins_later_does_the_syncs_it_was_asked_for(tmp_path):
                    procs=[("worker 0", procs[1])])
         procs.append(join(tmp_path, 1, maddr, corpus, 2))
         for i, proc in enumerate(procs[1:]):
-            assert proc.wait(timeout=300) == 0, (tmp_path / f"w{i}.log").read_text()[-3000:]
+            assert exit_code(proc, 300, tmp_path / f"w{i}.log") == 0, (tmp_path / f"w{i}.log").read_text()[-3000:]
     finally:
         stop_all(procs)
     first, late = report(tmp_path, 0), report(tmp_path, 1)

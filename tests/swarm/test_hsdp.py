@@ -26,6 +26,7 @@ from p2ptrain.model import build_model
 from tests.helpers import (
     assert_all_gone,
     descendants,
+    exit_code,
     p2ptrain,
     report,
     sigkill_leaves_no_orphans,
@@ -84,7 +85,7 @@ def test_two_rank_hsdp_peer_and_one_rank_peer_stay_identical(tmp_path):
     one_rank: dict = {}
     try:
         single_rank_peer(dht, shard=1, result=one_rank)
-        assert ranks.wait(timeout=120) == 0, log.read_text()[-4000:]
+        assert exit_code(ranks, 120, log) == 0, log.read_text()[-4000:]
     finally:
         if ranks.poll() is None:
             ranks.kill()
@@ -193,7 +194,7 @@ def test_state_transfer_carries_inner_moments_between_sharded_and_one_rank_peers
             finally:
                 newcomer.close()
             (tmp_path / "done").touch()
-            assert ranks.wait(timeout=60) == 0, log.read_text()[-4000:]
+            assert exit_code(ranks, 60, log) == 0, log.read_text()[-4000:]
         finally:
             if ranks.poll() is None:
                 ranks.kill()
@@ -245,7 +246,7 @@ def test_join_with_two_ranks_trains_with_a_one_rank_peer(tmp_path):
                 break
             time.sleep(0.2)
         for i, proc in enumerate((two, one)):
-            assert proc.wait(timeout=240) == 0, (tmp_path / f"w{i}.log").read_text()[-4000:]
+            assert exit_code(proc, 240, tmp_path / f"w{i}.log") == 0, (tmp_path / f"w{i}.log").read_text()[-4000:]
         assert_all_gone(children)
     finally:
         stop_all([two, one, boot])
@@ -301,7 +302,7 @@ def test_a_dead_rank_takes_its_peer_down_cleanly_and_the_swarm_goes_on(tmp_path)
         rank1[0].kill()
         assert two.wait(timeout=60) != 0, "torchrun must report the peer's failure"
         assert_all_gone(tree, timeout_s=20)
-        assert one.wait(timeout=200) == 0, (tmp_path / "w1.log").read_text()[-3000:]
+        assert exit_code(one, 200, tmp_path / "w1.log") == 0, (tmp_path / "w1.log").read_text()[-3000:]
     finally:
         stop_all([two, one, boot])
     assert json.loads((tmp_path / "w1.json").read_text())["outer_steps"] == 4
@@ -322,7 +323,7 @@ def test_ctrl_c_stops_a_two_rank_peer_cleanly(tmp_path):
                    procs=[("join", proc)])
         children = descendants(proc)
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=90) == 0, log.read_text()[-4000:]
+        assert exit_code(proc, 90, log) == 0, log.read_text()[-4000:]
         assert_all_gone(children)
     finally:
         stop_all([proc])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import report, start_bootstrap, start_worker, stop_all, wait_until
+from tests.helpers import exit_code, report, start_bootstrap, start_worker, stop_all, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
@@ -40,7 +40,7 @@ def test_two_simultaneous_newcomers_resume_past_a_dying_donor(tmp_path):
         assert "fault injection: dying after serving 2 state chunks" in (tmp_path / "w1.log").read_text()
         del procs[1]
         for i in (2, 3):
-            assert procs[i].wait(timeout=200) == 0, (tmp_path / f"w{i}.log").read_text()[-3000:]
+            assert exit_code(procs[i], 200, tmp_path / f"w{i}.log") == 0, (tmp_path / f"w{i}.log").read_text()[-3000:]
         stop_all([procs[0]])  # SIGINT: the surviving donor leaves cleanly
         assert procs[0].returncode == 0, (tmp_path / "w0.log").read_text()[-3000:]
     finally:

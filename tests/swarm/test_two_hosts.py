@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 
-from tests.helpers import assert_all_gone, descendants
+from tests.helpers import assert_all_gone, descendants, exit_code
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
@@ -84,7 +84,7 @@ def test_bootstrap_and_workers_on_two_hosts(two_hosts, tmp_path):
             ))
         children = [c for w in workers for c in descendants(w)]
         for side, w in zip("ab", workers):
-            assert w.wait(timeout=200) == 0, (tmp_path / f"w{side}.log").read_text()
+            assert exit_code(w, 200, tmp_path / f"w{side}.log") == 0, (tmp_path / f"w{side}.log").read_text()
         assert_all_gone(children)
         reports = [json.loads((tmp_path / f"w{side}.json").read_text()) for side in "ab"]
         for report in reports:
