@@ -202,7 +202,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                 )
         except BaseException as e:
             if isinstance(e, Exception):
-                logger.debug(f"Caught {repr(e)} when communicating to {peer_id}", exc_info=True)
+                # the range this reducer owes us keeps our own values: say why, so a one-sided round is explained
+                logger.warning(f"Reducer {peer_id} failed mid-round ({e!r}); its range keeps this peer's values")
+                logger.debug(f"Caught {e!r} when communicating to {peer_id}", exc_info=True)
             if not isinstance(e, asyncio.CancelledError):  # cancelled: the round ended for another reason
                 self.failed_reducers.add(peer_id)
             self.tensor_part_container.register_failed_reducer(peer_index)
