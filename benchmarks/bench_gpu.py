@@ -70,7 +70,7 @@ def main() -> None:
     opt = DiLoCoOptimizer(model.parameters(), dht=dht, run_id="bench-gpu", local_steps=args.local_steps,
                           inner_optimizer=partial(torch.optim.AdamW, lr=4e-4, weight_decay=0.1, fused=True),
                           outer_optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
-                          no_group_policy="apply_local", matchmaking_time_s=1.0, batch_size=args.batch_size)
+                          no_group_policy="apply_local", matchmaking_time_s=1.0, batch_size=args.batch_size).start()
     step_s, sync_s = [], []
     try:
         for i in range(args.warmup + args.steps):

@@ -34,7 +34,7 @@ LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 def make(model_name: str, dht: hivemind.DHT):
     model = build_model(model_name, seed=0)
     opt = DiLoCoOptimizer(model.parameters(), dht=dht, run_id="bench-join", local_steps=2, inner_optimizer=INNER,
-                          outer_optimizer=OUTER, target_group_size=2, averaging_timeout_s=300)
+                          outer_optimizer=OUTER, target_group_size=2, averaging_timeout_s=300).start()
     return model, opt
 
 

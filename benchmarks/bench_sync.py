@@ -31,7 +31,7 @@ def run(model_name: str, compression: str, syncs: int) -> None:
                         inner_optimizer=partial(torch.optim.SGD, lr=0.0),
                         outer_optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
                         compression=compression, target_group_size=2, matchmaking_time_s=5.0,
-                        averaging_timeout_s=300.0)
+                        averaging_timeout_s=300.0).start()
         for model, dht in zip(models, dhts)
     ]
     try:

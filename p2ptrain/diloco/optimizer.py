@@ -181,29 +181,10 @@ class DiLoCoOptimizer(RoundsMixin, StateSharingMixin, torch.optim.Optimizer):
         """how long serving the last snapshot to newcomers held up this peer's training (the state lock)"""
         self.last_download: Optional[dict] = None
         """how the last state download went: seconds, bytes, chunks per donor, donors that failed"""
-        if not hasattr(dht, "auth"):
-            logger.warning("this DHT was not started by p2ptrain.swarm.dht.start_dht: its records are not signed, so "
-                           "peers started by p2ptrain (the CLI, start_dht) ignore them; it averages only with peers "
-                           "that also use a plain hivemind.DHT")
-        # a peer with another model or settings would never group with the run's peers (the schema hash differs)
-        # and would wait, or train alone, in silence: refuse it now, naming the difference
+        self._averager_start_timeout_s = averager_start_timeout_s
+        self._own_progress = progress is None  # a caller's publisher (a shard claim) is the caller's to withdraw
         # (with what the caller knows beyond the tensors: a Worker sets the model's name, shape and seed in progress)
         settings = {**(progress.settings if progress is not None else {}), **self.run_settings()}
-        try:
-            check_run_settings(settings, fetch_progress(dht, run_id, timeout_s=5.0), run_id)
-        except RunMismatch:
-            if progress is not None:  # a shard claim published it: leave the listing (and the rounds) at once
-                progress.withdraw()
-            raise
-        try:
-            self.averager.start_in_background(timeout_s=averager_start_timeout_s)
-        except Exception as e:
-            if "already set" in str(e):
-                raise ValueError(
-                    f"another DiLoCoOptimizer of run {run_id!r} already uses this DHT; give each optimizer its own "
-                    "hivemind.DHT (or its own run_id)"
-                ) from None
-            raise
         self.progress = progress or ProgressPublisher(dht, run_id, period_s=progress_period_s)
         self.progress.client_mode = self.averager.client_mode
         reachability = getattr(dht, "reachability", None)  # how start_dht chose the mode (swarm/reachability.py)
@@ -217,13 +198,69 @@ class DiLoCoOptimizer(RoundsMixin, StateSharingMixin, torch.optim.Optimizer):
         self.catch_up_mid_phase = catch_up_mid_phase
         self._no_donor_at_outer_step = -1  # a mid-phase catch-up found no donor at this outer step: wait for the sync
         self.progress.watch_swarm = catch_up_mid_phase
-        self._publish_progress(force=True)
-        self.progress.start_heartbeat()
+        self._started = False
+        self._lifecycle_lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------------------------ its life
+
+    def start(self) -> "DiLoCoOptimizer":
+        """Join the run: check this peer's settings against the live peers', start the averager process, publish
+        this peer's progress record and keep it fresh. Returns ``self``; a second call does nothing. If it fails,
+        whatever it had started is stopped again (``shutdown()`` stays safe to call)."""
+        with self._lifecycle_lock:
+            if self._closed.is_set():
+                raise RuntimeError("this DiLoCoOptimizer was shut down; build a new one to join the run again")
+            if self._started:
+                return self
+            if not hasattr(self.dht, "auth"):
+                logger.warning("this DHT was not started by p2ptrain.swarm.dht.start_dht: its records are not signed, "
+                               "so peers started by p2ptrain (the CLI, start_dht) ignore them; it averages only with "
+                               "peers that also use a plain hivemind.DHT")
+            published = False
+            try:
+                # a peer with another model or settings would never group with the run's peers (the schema hash
+                # differs) and would wait, or train alone, in silence: refuse it now, naming the difference
+                try:
+                    check_run_settings(self.progress.settings, fetch_progress(self.dht, self.run_id, timeout_s=5.0),
+                                       self.run_id)
+                except RunMismatch:
+                    if not self._own_progress:  # a shard claim published it: leave the listing (and the rounds)
+                        self.progress.withdraw()
+                    raise
+                try:
+                    self.averager.start_in_background(timeout_s=self._averager_start_timeout_s)
+                except Exception as e:
+                    if "already set" in str(e):
+                        raise ValueError(
+                            f"another DiLoCoOptimizer of run {self.run_id!r} already uses this DHT; give each "
+                            "optimizer its own hivemind.DHT (or its own run_id)"
+                        ) from None
+                    raise
+                published = True  # from here on, a failure must withdraw the record it may have stored
+                self._publish_progress(force=True)
+                self.progress.start_heartbeat()
+            except BaseException:
+                self._stop_started_parts(withdraw=published)
+                raise
+            self._started = True
+        return self
+
+    def __enter__(self) -> "DiLoCoOptimizer":
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def _require_started(self) -> None:
+        if not self._started:
+            raise RuntimeError("DiLoCoOptimizer.start() was not called: call it (or use `with DiLoCoOptimizer(...) "
+                               "as opt:`) before the first step()")
 
     # ------------------------------------------------------------------------------------------ the optimizer API
 
     def step(self, closure: Optional[Callable[[], float]] = None, batch_size: Optional[int] = None):
         """One inner step; every ``local_steps`` inner steps, also a sync. Returns what the closure returned."""
+        self._require_started()
         with self._state_lock:
             loss = self.inner_optimizer.step(closure)
             self.local_step += 1
@@ -276,6 +313,7 @@ class DiLoCoOptimizer(RoundsMixin, StateSharingMixin, torch.optim.Optimizer):
 
     def sync(self) -> SyncRecord:
         """Average pseudo-gradients with the swarm and take one outer step. Never raises for network failures."""
+        self._require_started()
         # close() from another thread waits for this lock: shutting the averager down under a running step()
         # would leave that step waiting for an answer from a process that is gone
         with self._sync_lock:
@@ -455,25 +493,35 @@ class DiLoCoOptimizer(RoundsMixin, StateSharingMixin, torch.optim.Optimizer):
         pseudo-gradient if that attempt fails). Safe to call from a signal handler or another thread."""
         self._interrupted.set()
 
-    def close(self) -> None:
-        """Stop the averager process. The DHT belongs to the caller and stays up. Safe to call twice."""
-        if self._closed.is_set():
-            return
-        self._closed.set()
+    def shutdown(self) -> None:
+        """Leave the run: stop looking for peers, let the last round's members commit it (bounded), withdraw this
+        peer's progress record and stop the averager process. The DHT belongs to the caller and stays up. Safe to
+        call twice, before ``start()`` and after a failed one."""
+        with self._lifecycle_lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
         self.interrupt()
+        if not self._started:
+            return
         # a sync in flight stops retrying once interrupted; let its current attempt finish (bounded)
         attempt_s = self.matchmaking_time_s + self._request_timeout_s + self.averaging_timeout_s + 15.0
         acquired = self._sync_lock.acquire(timeout=attempt_s)
         try:
             self._wait_for_last_group(LEAVE_WAIT_S)
-            self.progress.withdraw()
-            if self.averager.is_alive():
-                self.averager.shutdown()
+            self._stop_started_parts(withdraw=True)
         finally:
             if acquired:
                 self._sync_lock.release()
 
-    shutdown = close
+    close = shutdown
+
+    def _stop_started_parts(self, withdraw: bool) -> None:
+        """Withdraw the progress record (which stops its heartbeat) and stop the averager process if it runs."""
+        if withdraw:
+            self.progress.withdraw()
+        if self.averager.is_alive():
+            self.averager.shutdown()
 
     def _wait_for_last_group(self, timeout_s: float) -> None:
         """Before leaving: wait (bounded) until the other members of our last round have committed it too. Our

@@ -8,10 +8,12 @@ import time
 from functools import partial
 
 import hivemind
+import psutil
 import pytest
 import torch
 
 from p2ptrain import DiLoCoOptimizer
+from p2ptrain.swarm.progress import RunMismatch, fetch_progress
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 
@@ -30,7 +32,7 @@ def make(dht, run_id="alone", **kwargs):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 2)
     opt = DiLoCoOptimizer(model.parameters(), dht=dht, run_id=run_id, local_steps=2, inner_optimizer=INNER,
-                          outer_optimizer=OUTER, matchmaking_time_s=1.0, **kwargs)
+                          outer_optimizer=OUTER, matchmaking_time_s=1.0, **kwargs).start()
     return model, opt
 
 
@@ -114,3 +116,68 @@ def test_drop_in_optimizer(dht):
             other.close()
     finally:
         opt.close()
+
+
+def test_building_starts_nothing_and_start_and_shutdown_are_explicit_and_idempotent(dht):
+    children = {c.pid for c in psutil.Process().children(recursive=True)}
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    opt = DiLoCoOptimizer(model.parameters(), dht=dht, run_id="life", local_steps=2, inner_optimizer=INNER,
+                          outer_optimizer=OUTER, matchmaking_time_s=1.0)
+    # built: no process, no record in the DHT, and a step says what is missing
+    assert {c.pid for c in psutil.Process().children(recursive=True)} == children
+    assert not opt.averager.is_alive()
+    assert fetch_progress(dht, "life", timeout_s=2.0) == []
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match=r"start\(\) was not called"):
+        opt.step()
+    assert opt.local_step == 0  # the refused step changed nothing
+
+    assert opt.start() is opt and opt.start() is opt  # the second call does nothing
+    assert opt.averager.is_alive()
+    assert [r.peer_id for r in fetch_progress(dht, "life", timeout_s=5.0)] == [dht.peer_id.to_base58()]
+    train_step(model, opt)
+    train_step(model, opt)
+    assert opt.outer_step == 1  # alone: its own pseudo-gradient
+
+    opt.shutdown()
+    opt.shutdown()  # again: nothing left to do
+    assert not opt.averager.is_alive()
+    assert fetch_progress(dht, "life", timeout_s=2.0) == []  # withdrawn
+    with pytest.raises(RuntimeError, match="was shut down"):
+        opt.start()
+
+
+def test_a_failed_start_leaves_nothing_running(dht):
+    _, live = make(dht, run_id="mismatch")  # a live peer of the run with local_steps=2
+    try:
+        children = {c.pid for c in psutil.Process().children(recursive=True)}
+        other = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                             initial_peers=[str(a) for a in dht.get_visible_maddrs()])
+        try:
+            model = torch.nn.Linear(8, 2)
+            opt = DiLoCoOptimizer(model.parameters(), dht=other, run_id="mismatch", local_steps=3,
+                                  inner_optimizer=INNER, outer_optimizer=OUTER)
+            with pytest.raises(RunMismatch, match="local_steps"):
+                opt.start()
+            assert not opt.averager.is_alive()
+            opt.shutdown()  # safe after the failure
+            dht_processes = {other.pid, *(c.pid for c in psutil.Process(other.pid).children(recursive=True))}
+            assert {c.pid for c in psutil.Process().children(recursive=True)} - children - dht_processes == set()
+        finally:
+            other.shutdown()
+    finally:
+        live.shutdown()
+
+
+def test_the_with_block_joins_and_leaves_the_run(dht):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    with pytest.raises(ZeroDivisionError):
+        with DiLoCoOptimizer(model.parameters(), dht=dht, run_id="block", local_steps=2, inner_optimizer=INNER,
+                             outer_optimizer=OUTER, matchmaking_time_s=1.0) as opt:
+            assert opt.averager.is_alive()
+            train_step(model, opt)
+            1 / 0  # the user's loop fails: the block still leaves the run
+    assert not opt.averager.is_alive()
+    assert fetch_progress(dht, "block", timeout_s=2.0) == []

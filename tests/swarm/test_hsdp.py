@@ -54,7 +54,7 @@ def single_rank_peer(dht: hivemind.DHT, shard: int, result: dict) -> None:
                           inner_optimizer=partial(torch.optim.AdamW, lr=1e-3),
                           outer_optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
                           compression="none", target_group_size=2, no_group_policy="wait", matchmaking_time_s=5.0,
-                          batch_size=BATCH)
+                          batch_size=BATCH).start()
     train, _ = split_train_val(load_corpus(None))
     batches = ShardedBatches(train, block_size=model.config.block_size, batch_size=BATCH, shard_index=shard,
                              num_shards=2)
@@ -126,7 +126,7 @@ def alone_then_serving(dht: hivemind.DHT, syncs: int) -> tuple:
                           inner_optimizer=partial(torch.optim.AdamW, lr=1e-3),
                           outer_optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
                           compression="none", no_group_policy="apply_local", matchmaking_time_s=1.0,
-                          batch_size=BATCH)
+                          batch_size=BATCH).start()
     train, _ = split_train_val(load_corpus(None))
     batches = ShardedBatches(train, block_size=model.config.block_size, batch_size=BATCH, shard_index=1,
                              num_shards=2)
@@ -187,7 +187,7 @@ def test_state_transfer_carries_inner_moments_between_sharded_and_one_rank_peers
             # the run's settings (the donor's): a peer of another codec is refused at start (RunMismatch)
             newcomer = DiLoCoOptimizer(newcomer_model.parameters(), dht=dht, run_id="hsdp", local_steps=LOCAL_STEPS,
                                        inner_optimizer=partial(torch.optim.AdamW, lr=1e-3), compression="none",
-                                       outer_optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True))
+                                       outer_optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)).start()
             try:
                 assert newcomer.catch_up()
                 got = moments_of(newcomer, newcomer_model)

@@ -77,7 +77,7 @@ LIBRARY_SCRIPT = textwrap.dedent("""
     opt = DiLoCoOptimizer(model.parameters(), dht=dht, run_id="library", local_steps=2,
                           inner_optimizer=partial(torch.optim.AdamW, lr=1e-2),
                           outer_optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
-                          matchmaking_time_s=1.0)
+                          matchmaking_time_s=1.0).start()
     for _ in range(4):
         model(torch.randn(4, 8)).pow(2).mean().backward()
         opt.step()

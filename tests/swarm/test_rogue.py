@@ -93,7 +93,7 @@ def train(dhts, *, before_rounds=None, target_group_size: int = 2):
     opts = [DiLoCoOptimizer(model.parameters(), dht=dht, run_id=RUN, local_steps=LOCAL_STEPS, inner_optimizer=INNER,
                             outer_optimizer=OUTER, compression="fp16", matchmaking_time_s=2.0,
                             averaging_timeout_s=6.0, batch_size=8, target_group_size=target_group_size,
-                            no_group_policy="wait")
+                            no_group_policy="wait").start()
             for model, dht in zip(models, dhts)]
     errors = []
 

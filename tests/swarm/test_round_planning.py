@@ -40,7 +40,7 @@ def optimizer(dht, run_id: str, **kwargs) -> tuple[torch.nn.Module, DiLoCoOptimi
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
     opt = DiLoCoOptimizer(model.parameters(), dht=dht, run_id=run_id, local_steps=LOCAL_STEPS, inner_optimizer=INNER,
-                          outer_optimizer=OUTER, batch_size=4, averaging_timeout_s=20.0, **kwargs)
+                          outer_optimizer=OUTER, batch_size=4, averaging_timeout_s=20.0, **kwargs).start()
     return model, opt
 
 
