@@ -228,7 +228,7 @@ class ShardedDiLoCo:
                     optimizer.state[q]["step"] = torch.tensor(0.0)
                 return optimizer
 
-            self.diloco = diloco(self.proxy, proxy_inner)
+            self.diloco = diloco(self.proxy, proxy_inner).start()
 
     @property
     def history(self) -> list:

@@ -267,7 +267,7 @@ class Worker:
                 progress=publisher,
             )
             if ranks.world == 1:
-                opt = make_diloco(model.parameters(), inner_optimizer=inner)
+                opt = make_diloco(model.parameters(), inner_optimizer=inner).start()
             else:
                 shard_model(model, mesh)
                 opt = ShardedDiLoCo(

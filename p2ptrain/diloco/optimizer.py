@@ -1,11 +1,11 @@
 """``DiLoCoOptimizer``: the optimizer API (inner steps, syncs, checkpoints), the outer step and the peer's life
-(progress records, leaving); the rounds and the state transfer are its mixins (``rounds``, ``state``)."""
+(start, progress records, shutdown). It asks its ``Rounds`` (``rounds.py``) for each sync's outcome; the state
+transfer is its mixin (``state.py``)."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import threading
 import time
 from typing import Any, Callable, Iterable, List, Optional
@@ -17,7 +17,7 @@ from p2ptrain.averaging import PseudoGradientAverager, RoundResult
 from p2ptrain.averaging.averager import PROTOCOL_VERSION
 from p2ptrain.averaging.compression import COMPRESSIONS, ERROR_FEEDBACK_BY_DEFAULT
 from p2ptrain.diloco.records import NO_GROUP_POLICIES, Outcome, RoundOutcome, SyncRecord, _digest_of
-from p2ptrain.diloco.rounds import RoundsMixin
+from p2ptrain.diloco.rounds import Position, Rounds, RoundSettings
 from p2ptrain.diloco.state import StateSharingMixin, _SnapshotRequest
 from p2ptrain.finite import all_finite
 from p2ptrain.outer import add_error_feedback_, outer_step_, pseudo_gradient_
@@ -30,7 +30,7 @@ FORCED_STORE_WAIT_S = 2.0
 """a peer that leaves right after a round waits at most this long for the other members to commit it (close)"""
 
 
-class DiLoCoOptimizer(RoundsMixin, StateSharingMixin, torch.optim.Optimizer):
+class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
     """A drop-in ``torch.optim.Optimizer`` that trains with DiLoCo across a hivemind swarm.
 
     :param params: the model's parameters (or parameter groups), handed to the inner optimizer as they are
@@ -190,7 +190,6 @@ class DiLoCoOptimizer(RoundsMixin, StateSharingMixin, torch.optim.Optimizer):
         reachability = getattr(dht, "reachability", None)  # how start_dht chose the mode (swarm/reachability.py)
         self.progress.reachability = str(reachability) if getattr(reachability, "reason", "") else (
             "client" if self.averager.client_mode else "public")
-        self._explained_no_group_at = -math.inf
         self.progress.settings = settings
         self._throughput_since = time.monotonic()
         self._throughput_samples = 0
@@ -198,6 +197,11 @@ class DiLoCoOptimizer(RoundsMixin, StateSharingMixin, torch.optim.Optimizer):
         self.catch_up_mid_phase = catch_up_mid_phase
         self._no_donor_at_outer_step = -1  # a mid-phase catch-up found no donor at this outer step: wait for the sync
         self.progress.watch_swarm = catch_up_mid_phase
+        self.rounds = Rounds(self.averager, dht, run_id, self.progress, RoundSettings(
+            no_group_policy=no_group_policy, matchmaking_time_s=matchmaking_time_s,
+            averaging_timeout_s=averaging_timeout_s, late_peer_wait_s=late_peer_wait_s, min_group_size=min_group_size,
+            target_group_size=target_group_size, request_timeout_s=self._request_timeout_s,
+        ), self._interrupted, self._tag)
         self._started = False
         self._lifecycle_lock = threading.Lock()
 
@@ -326,7 +330,8 @@ class DiLoCoOptimizer(RoundsMixin, StateSharingMixin, torch.optim.Optimizer):
         # tell the others we are at the sync point now, not at the next periodic refresh: a round waits for the
         # live peers that have not got there yet (_plan_round), and would wait for us too
         self._publish_progress(force=True)
-        outlook = self.round_outlook()  # one read of the records: this check, and the first attempt's plan
+        # one read of the records: this check, and the first attempt's plan
+        outlook = self.rounds.outlook(self._position())
         if outlook.ahead:
             # behind already (paused, or a round went on without us): matchmaking at this outer step is doomed
             logger.warning(f"{self._tag()} the swarm has moved past outer step {self.outer_step}; discarding this "
@@ -353,7 +358,8 @@ class DiLoCoOptimizer(RoundsMixin, StateSharingMixin, torch.optim.Optimizer):
                 # (the same parts, rounded the same way as the all-reduce will); kept only if the round averages
                 add_error_feedback_(buffers, self._residuals, self.averager.codec, self.averager.part_size_bytes)
 
-        outcome = self._average(weight=0.0 if diverged else float(max(self.samples_since_sync, 1)), outlook=outlook)
+        weight = 0.0 if diverged else float(max(self.samples_since_sync, 1))
+        outcome = self.rounds.run(weight, self._position(), outlook=outlook)
         if outcome.kind is not Outcome.AVERAGED:
             # nothing went through the wire: the peer applies its pseudo-gradient unrounded (apply_local), takes
             # the swarm's state (behind) or abandons the round; either way there is no rounding error to carry
@@ -379,7 +385,7 @@ class DiLoCoOptimizer(RoundsMixin, StateSharingMixin, torch.optim.Optimizer):
                 logger.info(f"{self._tag()} applying this peer's own pseudo-gradient: no other live peer of run "
                             f"{self.run_id!r} is at this outer step")
             case _:  # the buffers still hold our own pseudo-gradient: a failed round never writes them
-                self._explain_no_group()
+                self.rounds.explain_no_group()
                 logger.warning(
                     f"{self._tag()} no group formed after {outcome.attempts} attempt(s); applying this peer's own "
                     "pseudo-gradient (no_group_policy=apply_local)"
@@ -442,6 +448,23 @@ class DiLoCoOptimizer(RoundsMixin, StateSharingMixin, torch.optim.Optimizer):
         )
         self._publish_progress(force=True)
         return record
+
+    def _position(self) -> Position:
+        """Where this peer stands for the round it is about to average, and what it tells the group about it."""
+        return Position(
+            outer_step=self.outer_step, local_step=self.local_step, phase_started=self._phase_started,
+            last_group=self._last_group,
+            gather={"outer_step": self.outer_step, "samples": self.samples_since_sync,
+                    # the digest of the global parameters this round starts from: every member must have the same
+                    "digest": self._digest,
+                    # a pseudo-gradient of fewer inner steps than H (a newcomer's first, after it took the state
+                    # mid-phase) is smaller than the others': widen its norm check in proportion
+                    "norm_scale": self.local_steps / max(1, min(self._steps_since_sync, self.local_steps))},
+        )
+
+    def swarm_outer_step(self) -> int:
+        """The highest outer step among the run's other live peers (from their progress records), or -1."""
+        return self.rounds.swarm_outer_step()
 
     def _reset_residuals(self) -> None:
         if self._residuals is not None:

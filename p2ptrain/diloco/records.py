@@ -25,7 +25,7 @@ class Outcome(enum.Enum):
 
 @dataclass(frozen=True)
 class RoundOutcome:
-    """What ``_average`` came to: the sync's policy is a match over ``kind``."""
+    """What ``Rounds.run`` came to: the sync's policy is a match over ``kind``."""
 
     kind: Outcome
     attempts: int

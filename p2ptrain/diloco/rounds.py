@@ -1,11 +1,15 @@
 """How a sync finds its group: the round's plan from the live peers' progress records, the matchmaking and
-all-reduce attempts, and what their results mean (``RoundsMixin``, part of ``DiLoCoOptimizer``)."""
+all-reduce attempts, and what their results mean (``Rounds``: ``DiLoCoOptimizer`` holds one and asks it for an
+outcome; it knows the optimizer only through what each call passes in)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Collection, Dict, Iterable, List, Optional
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Dict, Iterable, List, Optional
 
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
@@ -43,14 +47,49 @@ def outlook_of(records: Iterable[PeerProgress], outer_step: int, local_step: int
     return RoundOutlook(ahead=ahead, ready=ready, late=late)
 
 
-class RoundsMixin:
-    """The round methods of ``DiLoCoOptimizer``: they read its averager, DHT, counters and settings."""
+@dataclass(frozen=True)
+class RoundSettings:
+    """How a peer looks for its group (the ``DiLoCoOptimizer`` arguments of the same names)."""
 
-    incomplete_settle_s = 1.0
+    no_group_policy: str
+    matchmaking_time_s: float
+    averaging_timeout_s: float
+    late_peer_wait_s: Optional[float]
+    min_group_size: int
+    target_group_size: Optional[int]
+    request_timeout_s: float
+    """matchmaking requests time out well inside the matchmaking window (hivemind's deadlock breaker)"""
+    incomplete_settle_s: float = 1.0
     """after an incomplete round, how long the members that got every part have to say they committed it"""
 
-    def _average(self, weight: float, single_attempt: bool = False,
-                 outlook: Optional[RoundOutlook] = None) -> RoundOutcome:
+
+@dataclass
+class Position:
+    """Where this peer stands when it averages: what a round plans from, and what it tells its group."""
+
+    outer_step: int
+    local_step: int
+    phase_started: float
+    """when this peer's current inner phase began (monotonic): bounds the wait for late peers"""
+    last_group: Collection[str] = ()
+    """the other members of this peer's last round that averaged (base58 ids)"""
+    gather: Dict[str, Any] = field(default_factory=dict)
+    """what this peer attaches to its join request: its outer step, samples, digest, norm scale"""
+
+
+class Rounds:
+    """Runs one sync's rounds over an averager and returns an outcome value; it holds no training state."""
+
+    def __init__(self, averager, dht, run_id: str, progress, settings: RoundSettings,
+                 interrupted: threading.Event, tag: Callable[[], str]):
+        self.averager, self.dht, self.run_id, self.progress = averager, dht, run_id, progress
+        self.settings = settings
+        self._interrupted = interrupted  # set: the peer is leaving, stop looking for peers
+        self._tag = tag
+        self._explained_no_group_at = -math.inf
+
+    def run(self, weight: float, position: Position, *, single_attempt: bool = False,
+            outlook: Optional[RoundOutlook] = None) -> RoundOutcome:
         """Run averaging attempts until a group averages, or this peer must go on without one.
 
         Each attempt is planned from the progress records (``_plan_round``): its group starts as soon as every live
@@ -59,6 +98,7 @@ class RoundsMixin:
         next to such a peer would throw all of that peer's inner steps away (it would have to take our state).
         Under "wait" it never goes on alone. ``outlook``: the records as the caller just read them (else read here).
         """
+        cfg = self.settings
         attempts, incomplete_retries = 0, 0
         unjoinable_since: Optional[float] = None  # when ready peers first failed to group with us
         # members whose range failed a round of this sync: not counted in the target again. They still keep this
@@ -67,7 +107,7 @@ class RoundsMixin:
         late_deadline = None  # set at the first look, from how many peers are expected
         last_moved: Dict[str, tuple] = {}  # late peer -> (its local step, when we first saw it there)
         while not self._interrupted.is_set():
-            outlook = outlook if outlook is not None and attempts == 0 else self.round_outlook()
+            outlook = outlook if outlook is not None and attempts == 0 else self.outlook(position)
             if outlook.ahead:
                 return RoundOutcome(Outcome.BEHIND, attempts)
             now = time.monotonic()
@@ -78,16 +118,16 @@ class RoundsMixin:
             ready = [peer for peer in outlook.ready if peer not in excluded]
             late = [peer for peer in moving if peer not in excluded]
             if late_deadline is None:
-                late_deadline = now + self._late_peer_wait_s(1 + len(ready) + len(late))
-            alone = not outlook.ready and not moving and not single_attempt and self.no_group_policy == "apply_local"
+                late_deadline = now + self._late_peer_wait_s(1 + len(ready) + len(late), position.phase_started)
+            alone = not outlook.ready and not moving and not single_attempt and cfg.no_group_policy == "apply_local"
             # ... but looks once when others may yet be there with no record to show for it: in a new swarm's first
             # round (they may still be starting), or when this peer saw another live peer recently (a record that
             # was slow to store, or a read that timed out, must not make it step alone next to that peer)
             # (a live peer refreshes its record every period: not seen for two of them, it is gone)
             recently = time.monotonic() - self.progress.others_seen_at < 2 * self.progress.period_s
-            if alone and (self.outer_step > 0 and not recently or attempts > 0):
+            if alone and (position.outer_step > 0 and not recently or attempts > 0):
                 if attempts == 0:
-                    logger.info(f"{self._tag()} no other live peer is at outer step {self.outer_step}: not "
+                    logger.info(f"{self._tag()} no other live peer is at outer step {position.outer_step}: not "
                                 "looking for a group")
                 break
             attempts += 1
@@ -96,12 +136,12 @@ class RoundsMixin:
                 break
             target, window_s = self._plan_round(ready, late, late_deadline - now)
             self.averager.set_round_plan(target, window_s, expected=[*ready, *late],
-                                         max_group_size=self.target_group_size)
+                                         max_group_size=cfg.target_group_size)
             logger.debug(f"{self._tag()} attempt {attempts}: ready {[p[-8:] for p in ready]}, late "
-                         f"{ {p[-8:]: outlook.late[p] for p in late} } at local step {self.local_step}: "
+                         f"{ {p[-8:]: outlook.late[p] for p in late} } at local step {position.local_step}: "
                          f"target {target}, window {window_s:.1f}s")
             incomplete_before = self.averager.incomplete_rounds
-            result = self._attempt(weight, target, window_s, attempts)
+            result = self._attempt(weight, position, target, window_s, attempts)
             if result is not None:
                 return RoundOutcome(Outcome.AVERAGED, attempts, result)
             if single_attempt:
@@ -113,8 +153,8 @@ class RoundsMixin:
                 # survivors, without waiting for the members whose range failed. Never fall back to our own
                 # pseudo-gradient here: the survivors would each apply a different one.
                 excluded |= self.averager.last_failed_members
-                time.sleep(self.incomplete_settle_s)
-                if self.swarm_outer_step() > self.outer_step:
+                time.sleep(cfg.incomplete_settle_s)
+                if self.swarm_outer_step() > position.outer_step:
                     return RoundOutcome(Outcome.BEHIND, attempts)
                 if incomplete_retries < MAX_INCOMPLETE_RETRIES:
                     incomplete_retries += 1
@@ -125,7 +165,7 @@ class RoundsMixin:
                 unjoinable_since = None
             elif unjoinable_since is None:
                 unjoinable_since = now
-            if self.no_group_policy == "apply_local":
+            if cfg.no_group_policy == "apply_local":
                 if moving and not outlook.ready:
                     continue  # the others are still training and making progress: wait for them
                 # peers at the sync point that did not group with us are in a round of their own (a failed one
@@ -133,61 +173,58 @@ class RoundsMixin:
                 # (a peer with weight 0 adds nothing: a group of such peers is refused by all its members alike, so
                 # waiting for one is pointless)
                 if outlook.ready and weight > 0 and \
-                        now - unjoinable_since < self.averaging_timeout_s + self.matchmaking_time_s:
+                        now - unjoinable_since < cfg.averaging_timeout_s + cfg.matchmaking_time_s:
                     continue
                 break
-            self._explain_no_group()
+            self.explain_no_group()
             logger.warning(
                 f"{self._tag()} no group formed (attempt {attempts}); waiting for peers (no_group_policy=wait)"
             )
         return RoundOutcome(Outcome.ALONE if attempts == 0 else Outcome.NO_GROUP, attempts)
 
-    def _late_peer_wait_s(self, expected: int) -> float:
+    def _late_peer_wait_s(self, expected: int, phase_started: float) -> float:
         """How long the ready peers wait for late ones. Waiting t seconds idles the ready peers, (expected - 1) * t
         compute-seconds; leaving a late peer out throws away its phase so far, about phase - t: so the default waits
         up to a phase / expected (the break-even), and at least the matchmaking window."""
-        if self.late_peer_wait_s is not None:
-            return self.late_peer_wait_s
-        return max(self.matchmaking_time_s, (time.monotonic() - self._phase_started) / max(expected, 2))
+        if self.settings.late_peer_wait_s is not None:
+            return self.settings.late_peer_wait_s
+        return max(self.settings.matchmaking_time_s, (time.monotonic() - phase_started) / max(expected, 2))
 
     def _plan_round(self, ready: List[str], late: List[str], late_left_s: float) -> tuple[Optional[int], float]:
         """(target group size, matchmaking window) for one attempt. The group starts the moment it holds every
         live peer we expect; the window bounds the wait for the ones that are late."""
+        cfg = self.settings
         if late and (late_left_s > 0 or not ready):
             # wait for the late ones too: until the bound while others are ready, else in windows, re-planned
-            target, window_s = 1 + len(ready) + len(late), max(self.matchmaking_time_s, late_left_s)
+            target, window_s = 1 + len(ready) + len(late), max(cfg.matchmaking_time_s, late_left_s)
         else:
-            target, window_s = (1 + len(ready) if ready else None), self.matchmaking_time_s
-        if self.target_group_size is not None and target is not None:
-            target = min(target, self.target_group_size)
+            target, window_s = (1 + len(ready) if ready else None), cfg.matchmaking_time_s
+        if cfg.target_group_size is not None and target is not None:
+            target = min(target, cfg.target_group_size)
         if target is not None:
-            target = max(target, self.min_group_size)  # a group of fewer could not start anyway
-        return (target if target is not None else self.target_group_size), window_s
+            target = max(target, cfg.min_group_size)  # a group of fewer could not start anyway
+        return (target if target is not None else cfg.target_group_size), window_s
 
-    def _attempt(self, weight: float, target: Optional[int], window_s: float, attempt: int) -> Optional[RoundResult]:
+    def _attempt(self, weight: float, position: Position, target: Optional[int], window_s: float,
+                 attempt: int) -> Optional[RoundResult]:
         """One matchmaking + all-reduce attempt; None if it formed no group or failed (logged at debug level: the
         caller decides what a failure means)."""
         try:
             # peers only group with peers at the same outer step: a peer that fell behind finds nobody and
             # catches up from live peers instead of averaging a pseudo-gradient computed from stale parameters
-            self.averager.set_group_bits(format(self.outer_step % 256, "08b"))
+            self.averager.set_group_bits(format(position.outer_step % 256, "08b"))
             # the leader waits window_s for followers; allow a request timeout on top
-            matchmaking_timeout_s = window_s + self._request_timeout_s + 1.0
+            matchmaking_timeout_s = window_s + self.settings.request_timeout_s + 1.0
             control = self.averager.step(
                 weight=weight,
-                # the digest of the global parameters this round starts from: every member must have the same
-                gather={"outer_step": self.outer_step, "samples": self.samples_since_sync,
-                        "digest": self._digest,
-                        # a pseudo-gradient of fewer inner steps than H (a newcomer's first, after it took
-                        # the state mid-phase) is smaller than the others': widen its norm check in proportion
-                        "norm_scale": self.local_steps / max(1, min(self._steps_since_sync, self.local_steps))},
+                gather=position.gather,
                 scheduled_time=get_dht_time() + window_s,
                 timeout=matchmaking_timeout_s,
                 allow_retries=True,
                 wait=False,
             )
             # bounded even if the averager process dies mid-round: then this raises TimeoutError
-            result = control.result(timeout=matchmaking_timeout_s + self.averaging_timeout_s + 10.0)
+            result = control.result(timeout=matchmaking_timeout_s + self.settings.averaging_timeout_s + 10.0)
             if isinstance(result, RoundResult):
                 return result
         except (AllreduceException, MatchmakingException, TimeoutError, RuntimeError) as e:
@@ -196,13 +233,13 @@ class RoundsMixin:
             logger.warning(f"{self._tag()} averaging attempt {attempt} failed unexpectedly: {e!r}")
         return None
 
-    def round_outlook(self) -> RoundOutlook:
+    def outlook(self, position: Position) -> RoundOutlook:
         """Read the run's progress records: is the swarm ahead, and who at this outer step is ready or late."""
         me = self.dht.peer_id.to_base58()
         records = [r for r in fetch_progress(self.dht, self.run_id, timeout_s=5.0) if r.peer_id != me]
         if records:
             self.progress.others_seen_at = time.monotonic()
-        return outlook_of(records, self.outer_step, self.local_step, self._last_group)
+        return outlook_of(records, position.outer_step, position.local_step, position.last_group)
 
     def swarm_outer_step(self) -> int:
         """The highest outer step among the run's other live peers (from their progress records), or -1."""
@@ -210,7 +247,7 @@ class RoundsMixin:
         steps = [r.outer_step for r in fetch_progress(self.dht, self.run_id, timeout_s=5.0) if r.peer_id != me]
         return max(steps, default=-1)
 
-    def _explain_no_group(self) -> None:
+    def explain_no_group(self) -> None:
         """If no group can form because no live peer can lead one (all behind NAT, in client mode), say so: at
         most once a minute, instead of waiting in silence."""
         if not self.averager.client_mode or time.monotonic() - self._explained_no_group_at < 60.0:
@@ -228,29 +265,3 @@ class RoundsMixin:
             "public IP or a forwarded port (README, 'Behind NAT')"
         )
 
-    def _repair_if_diverged(self, result: RoundResult) -> bool:
-        """Compare the digests the group's members started the round from. If they differ (a peer missed part of an
-        earlier round, applied a local step, or was corrupted), every member agrees on one reference digest (the most
-        common; ties go to the smallest peer id) and the members that did not hold it take the state anew from a peer
-        that did. Returns True if this peer repaired itself."""
-        digests = {peer: info.get("digest") for peer, info in result.gathered.items()}
-        if len(set(digests.values())) <= 1:
-            return False
-        counts: dict = {}
-        for digest in digests.values():
-            counts[digest] = counts.get(digest, 0) + 1
-        reference = min(digests.items(), key=lambda item: (-counts[item[1]], item[0]))[1]
-        mine = digests.get(self.dht.peer_id.to_base58())
-        logger.error(
-            f"{self._tag()} the group started this round from {len(counts)} different parameter versions "
-            f"({', '.join(f'{d[:8]}x{n}' for d, n in counts.items())}); the reference is {reference[:8]}"
-        )
-        if mine == reference:
-            return False
-        # stop serving our state while it is the wrong one, so the download comes from a peer that has the reference
-        self.averager.allow_state_sharing = False
-        try:
-            return self.load_state_from_peers(timeout_s=self.averaging_timeout_s)
-        finally:
-            if not self.averager.client_mode:
-                self.averager.allow_state_sharing = True

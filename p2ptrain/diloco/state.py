@@ -12,6 +12,7 @@ from typing import Any, List, Optional
 
 import torch
 
+from p2ptrain.averaging import RoundResult
 from p2ptrain.averaging.state_transfer import flatten_state, unflatten_state
 from p2ptrain.diloco.records import Outcome, SyncRecord, _digest_of
 from p2ptrain.finite import all_finite
@@ -90,11 +91,38 @@ class StateSharingMixin:
         with self.averager.get_tensors() as buffers:
             for buffer in buffers:
                 buffer.zero_()
-        outcome = self._average(weight=0.0, single_attempt=True)
+        outcome = self.rounds.run(0.0, self._position(), single_attempt=True)
         if outcome.kind is not Outcome.AVERAGED:
             logger.info(f"{self._tag()} too late to join the swarm's round in progress; syncing at the next one")
             return None
         return self._apply(started, outcome.result, outcome.attempts, caught_up=True)
+
+    def _repair_if_diverged(self, result: RoundResult) -> bool:
+        """Compare the digests the group's members started the round from. If they differ (a peer missed part of an
+        earlier round, applied a local step, or was corrupted), every member agrees on one reference digest (the most
+        common; ties go to the smallest peer id) and the members that did not hold it take the state anew from a peer
+        that did. Returns True if this peer repaired itself."""
+        digests = {peer: info.get("digest") for peer, info in result.gathered.items()}
+        if len(set(digests.values())) <= 1:
+            return False
+        counts: dict = {}
+        for digest in digests.values():
+            counts[digest] = counts.get(digest, 0) + 1
+        reference = min(digests.items(), key=lambda item: (-counts[item[1]], item[0]))[1]
+        mine = digests.get(self.dht.peer_id.to_base58())
+        logger.error(
+            f"{self._tag()} the group started this round from {len(counts)} different parameter versions "
+            f"({', '.join(f'{d[:8]}x{n}' for d, n in counts.items())}); the reference is {reference[:8]}"
+        )
+        if mine == reference:
+            return False
+        # stop serving our state while it is the wrong one, so the download comes from a peer that has the reference
+        self.averager.allow_state_sharing = False
+        try:
+            return self.load_state_from_peers(timeout_s=self.averaging_timeout_s)
+        finally:
+            if not self.averager.client_mode:
+                self.averager.allow_state_sharing = True
 
     def _shareable_state(self) -> tuple:
         """What a newcomer downloads from this peer (called in this process by hivemind's state-serving thread):

@@ -64,7 +64,7 @@ def train_peers(dhts, *, compression: str, local_steps: int, outer_steps: int, r
             averaging_timeout_s=30.0,
             batch_size=8,
             target_group_size=len(dhts),
-        )
+        ).start()
         for model, dht in zip(models, dhts)
     ]
     # snapshots[peer][k] = parameters right after sync k+1; inner_end[peer][k] = parameters right before it
@@ -210,7 +210,7 @@ def test_error_feedback_residual_is_applied_whole_when_alone(two_dhts):
     model = make_model()
     opt = DiLoCoOptimizer(model.parameters(), dht=two_dhts[0], run_id="alone-ef", local_steps=1000,
                           inner_optimizer=INNER, outer_optimizer=OUTER, compression="bf16", error_feedback=True,
-                          matchmaking_time_s=1.0, no_group_policy="apply_local")
+                          matchmaking_time_s=1.0, no_group_policy="apply_local").start()
     try:
         start = [p.detach().clone() for p in model.parameters()]
         with torch.no_grad():
@@ -234,7 +234,7 @@ def sync_once(dhts, run_id: str, prepare) -> list:
     models = [make_model() for _ in dhts]
     opts = [
         DiLoCoOptimizer(model.parameters(), dht=dht, run_id=run_id, local_steps=1000, inner_optimizer=INNER,
-                        outer_optimizer=OUTER, compression="none", matchmaking_time_s=3.0, target_group_size=2)
+                        outer_optimizer=OUTER, compression="none", matchmaking_time_s=3.0, target_group_size=2).start()
         for model, dht in zip(models, dhts)
     ]
     start = [p.detach().clone() for p in models[0].parameters()]
@@ -367,7 +367,7 @@ def test_newcomer_takes_the_swarm_state(two_dhts, third_dht):
     torch.manual_seed(123)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))  # other init
     newcomer = DiLoCoOptimizer(model.parameters(), dht=third_dht, run_id="join", local_steps=3,
-                               inner_optimizer=INNER, outer_optimizer=OUTER, matchmaking_time_s=3.0)
+                               inner_optimizer=INNER, outer_optimizer=OUTER, matchmaking_time_s=3.0).start()
     try:
         assert newcomer.load_state_from_peers(timeout_s=30)
         donor = opts[0]
@@ -397,7 +397,7 @@ def test_peer_behind_the_swarm_catches_up_instead_of_averaging(two_dhts, third_d
     models, opts, _, _ = train_peers(two_dhts, compression="fp16", local_steps=3, outer_steps=2, run_id="late")
     model = make_model()
     late = DiLoCoOptimizer(model.parameters(), dht=third_dht, run_id="late", local_steps=3, inner_optimizer=INNER,
-                           outer_optimizer=OUTER, matchmaking_time_s=2.0, no_group_policy="wait")
+                           outer_optimizer=OUTER, matchmaking_time_s=2.0, no_group_policy="wait").start()
     try:
         for x, y in batches(5, 3):  # three local steps from the stale start: the third one syncs
             torch.nn.functional.mse_loss(model(x), y).backward()
@@ -449,7 +449,7 @@ def test_undecodable_parts_get_the_sender_banned_not_the_reducer_killed(two_dhts
     models = [make_model() for _ in range(2)]
     kwargs = dict(local_steps=1000, inner_optimizer=INNER, outer_optimizer=OUTER, compression="int8",
                   matchmaking_time_s=3.0, averaging_timeout_s=10.0, target_group_size=2)
-    honest = DiLoCoOptimizer(models[0].parameters(), dht=two_dhts[0], run_id="hostile", **kwargs)
+    honest = DiLoCoOptimizer(models[0].parameters(), dht=two_dhts[0], run_id="hostile", **kwargs).start()
     original = Int8Codec.compress
 
     def truncated(self, tensor, info=None, allow_inplace=False):
@@ -460,7 +460,7 @@ def test_undecodable_parts_get_the_sender_banned_not_the_reducer_killed(two_dhts
 
     monkeypatch.setattr(Int8Codec, "compress", truncated)
     try:
-        hostile = DiLoCoOptimizer(models[1].parameters(), dht=two_dhts[1], run_id="hostile", **kwargs)
+        hostile = DiLoCoOptimizer(models[1].parameters(), dht=two_dhts[1], run_id="hostile", **kwargs).start()
     finally:
         monkeypatch.undo()  # only the hostile peer's averager process (forked just now) keeps the patch
     opts = [honest, hostile]
@@ -512,7 +512,7 @@ def test_half_precision_group_result_by_value_over_several_parts(two_dhts, compr
         model = torch.nn.Linear(1024, 600)  # 614,400 weights: 1.2 MB at 2 bytes a value, parts of 512 KiB
         opt = DiLoCoOptimizer(model.parameters(), dht=dht, run_id=f"half-{compression}", local_steps=1000,
                               inner_optimizer=INNER, outer_optimizer=OUTER, compression=compression,
-                              matchmaking_time_s=3.0, target_group_size=2)
+                              matchmaking_time_s=3.0, target_group_size=2).start()
         starts.append([p.detach().clone() for p in model.parameters()])
         with torch.no_grad():
             gen = torch.Generator().manual_seed(i)

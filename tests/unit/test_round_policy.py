@@ -1,4 +1,4 @@
-"""The round policy (``RoundsMixin._average``) with no network: scripted progress records and a fake averager
+"""The round policy (``Rounds.run``) with no network: scripted progress records and a fake averager
 stand in for the swarm, so each decision (wait, retry, go alone, catch up) is checked on its own. The same code runs
 against real hivemind peers in tests/swarm/test_round_planning.py and test_chaos.py."""
 
@@ -11,7 +11,7 @@ from typing import List, Optional
 
 from p2ptrain.averaging import RoundResult
 from p2ptrain.diloco.records import Outcome, RoundOutlook
-from p2ptrain.diloco.rounds import MAX_INCOMPLETE_RETRIES, RoundsMixin, outlook_of
+from p2ptrain.diloco.rounds import MAX_INCOMPLETE_RETRIES, Position, Rounds, RoundSettings, outlook_of
 from p2ptrain.proto.p2ptrain_pb2 import PeerProgress
 
 
@@ -28,32 +28,31 @@ class FakeAverager:
         self.plans.append((target, window_s, sorted(expected)))
 
 
-class Host(RoundsMixin):
-    """What ``_average`` reads of its optimizer. ``outlooks``: the records each look returns (the last repeats);
-    ``attempts``: what each attempt does ("ok", "fail", or "incomplete:<failed peer>")."""
+class Host(Rounds):
+    """``Rounds`` with its two network reads scripted. ``outlooks``: the records each look returns (the last
+    repeats); ``attempts``: what each attempt does ("ok", "fail", "interrupt" or "incomplete:<failed peer>")."""
 
     def __init__(self, outlooks: List[RoundOutlook], attempts: List[str], policy: str = "apply_local",
-                 outer_step: int = 5, swarm_outer_step: int = 5):
+                 outer_step: int = 5, swarm_outer_step: int = 5, averaging_timeout_s: float = 0.0):
+        settings = RoundSettings(no_group_policy=policy, matchmaking_time_s=0.0,
+                                 averaging_timeout_s=averaging_timeout_s, late_peer_wait_s=None, min_group_size=2,
+                                 target_group_size=None, request_timeout_s=0.0, incomplete_settle_s=0.0)
+        progress = SimpleNamespace(others_seen_at=-1e9, period_s=5.0)
+        super().__init__(FakeAverager(), dht=None, run_id="r", progress=progress, settings=settings,
+                         interrupted=threading.Event(), tag=lambda: "[test]")
         self.outlooks, self.attempt_script = list(outlooks), list(attempts)
-        self.no_group_policy, self.outer_step, self.local_step = policy, outer_step, 100
+        self.position = Position(outer_step=outer_step, local_step=100, phase_started=time.monotonic())
         self._swarm_outer_step = swarm_outer_step
-        self.averager = FakeAverager()
-        self._interrupted = threading.Event()
-        self.progress = SimpleNamespace(others_seen_at=-1e9, period_s=5.0)
-        self.late_peer_wait_s, self.matchmaking_time_s, self.averaging_timeout_s = None, 0.0, 0.0
-        self.target_group_size, self.min_group_size = None, 2
-        self._phase_started = time.monotonic()
         self.looks = 0
-        self.incomplete_settle_s = 0.0
 
-    def round_outlook(self, excluded=()) -> RoundOutlook:
+    def outlook(self, position: Position) -> RoundOutlook:
         self.looks += 1
         return self.outlooks.pop(0) if len(self.outlooks) > 1 else self.outlooks[0]
 
     def swarm_outer_step(self) -> int:
         return self._swarm_outer_step
 
-    def _attempt(self, weight, target, window_s, attempt) -> Optional[RoundResult]:
+    def _attempt(self, weight, position, target, window_s, attempt) -> Optional[RoundResult]:
         action = self.attempt_script.pop(0) if self.attempt_script else "fail"
         if action == "ok":
             return RoundResult(group_size=target or 2)
@@ -64,11 +63,8 @@ class Host(RoundsMixin):
             self._interrupted.set()
         return None
 
-    def _explain_no_group(self) -> None:
+    def explain_no_group(self) -> None:
         pass
-
-    def _tag(self) -> str:
-        return "[test]"
 
 
 def look(ready=(), late=None, ahead=False) -> RoundOutlook:
@@ -77,96 +73,94 @@ def look(ready=(), late=None, ahead=False) -> RoundOutlook:
 
 def test_a_ready_peer_makes_the_group_start_with_both_of_us():
     host = Host([look(ready=["B"])], ["ok"])
-    outcome = host._average(weight=8.0)
+    outcome = host.run(8.0, host.position)
     assert outcome.kind is Outcome.AVERAGED and outcome.attempts == 1 and outcome.result.group_size == 2
     assert host.averager.plans == [(2, 0.0, ["B"])]
 
 
 def test_the_swarm_ahead_means_taking_its_state_without_an_attempt():
     host = Host([look(ahead=True)], [])
-    outcome = host._average(weight=8.0)
+    outcome = host.run(8.0, host.position)
     assert outcome.kind is Outcome.BEHIND and outcome.attempts == 0 and host.averager.plans == []
 
 
 def test_the_callers_outlook_serves_the_first_attempt():
     host = Host([look(ready=["B", "C"])], ["ok"])
-    host._average(weight=8.0, outlook=look(ready=["B"]))
+    host.run(8.0, host.position, outlook=look(ready=["B"]))
     assert host.looks == 0 and host.averager.plans[0][0] == 2
 
 
 def test_alone_in_the_swarm_it_goes_on_without_looking():
     host = Host([look()], [])
-    outcome = host._average(weight=8.0)
+    outcome = host.run(8.0, host.position)
     assert outcome.kind is Outcome.ALONE and outcome.attempts == 0
 
 
 def test_a_new_swarms_first_round_looks_once_before_going_alone():
     host = Host([look()], ["fail"], outer_step=0)
-    outcome = host._average(weight=8.0)
+    outcome = host.run(8.0, host.position)
     assert outcome.kind is Outcome.NO_GROUP and outcome.attempts == 1
 
 
 def test_a_late_peer_that_makes_progress_is_waited_for_and_counted_in_the_target():
     # C is in its inner steps (local step 90, then 95), then ready
     host = Host([look(late={"C": 90}), look(late={"C": 95}), look(ready=["C"])], ["fail", "fail", "ok"])
-    outcome = host._average(weight=8.0)
+    outcome = host.run(8.0, host.position)
     assert outcome.kind is Outcome.AVERAGED and outcome.attempts == 3
     assert [(target, expected) for target, _, expected in host.averager.plans] == [(2, ["C"])] * 3
 
 
 def test_a_member_that_failed_mid_round_is_left_out_of_the_retries():
     host = Host([look(ready=["B", "C"])], ["incomplete:C", "ok"])
-    outcome = host._average(weight=8.0)
+    outcome = host.run(8.0, host.position)
     assert outcome.kind is Outcome.AVERAGED and outcome.attempts == 2
     assert [(target, expected) for target, _, expected in host.averager.plans] == [(3, ["B", "C"]), (2, ["B"])]
 
 
 def test_members_that_committed_an_incomplete_round_make_us_take_their_state():
     host = Host([look(ready=["B"])], ["incomplete:B"], swarm_outer_step=6)
-    outcome = host._average(weight=8.0)
+    outcome = host.run(8.0, host.position)
     assert outcome.kind is Outcome.BEHIND and outcome.attempts == 1
 
 
 def test_incomplete_rounds_are_retried_a_bounded_number_of_times():
     host = Host([look(ready=["B"])], ["incomplete:B"] * 10)
-    outcome = host._average(weight=8.0)
+    outcome = host.run(8.0, host.position)
     assert outcome.kind is Outcome.NO_GROUP and outcome.attempts == 1 + MAX_INCOMPLETE_RETRIES
 
 
 def test_with_nobody_left_after_an_incomplete_round_it_goes_on():
     host = Host([look(ready=["B"]), look()], ["incomplete:B"])
-    outcome = host._average(weight=8.0)
+    outcome = host.run(8.0, host.position)
     assert outcome.kind is Outcome.NO_GROUP and outcome.attempts == 1
 
 
 def test_ready_peers_that_do_not_group_with_us_are_waited_for_a_while():
-    host = Host([look(ready=["B"])], ["fail"] * 3 + ["ok"])
-    host.averaging_timeout_s = 5.0  # they may be in a round of their own, which takes at most this long
-    outcome = host._average(weight=8.0)
+    # they may be in a round of their own, which takes at most averaging_timeout_s
+    host = Host([look(ready=["B"])], ["fail"] * 3 + ["ok"], averaging_timeout_s=5.0)
+    outcome = host.run(8.0, host.position)
     assert outcome.kind is Outcome.AVERAGED and outcome.attempts == 4
-    host = Host([look(ready=["B"])], ["fail"] * 100)
-    host.averaging_timeout_s = 0.3
+    host = Host([look(ready=["B"])], ["fail"] * 100, averaging_timeout_s=0.3)
     started = time.monotonic()
-    outcome = host._average(weight=8.0)
+    outcome = host.run(8.0, host.position)
     assert outcome.kind is Outcome.NO_GROUP and 0.3 <= time.monotonic() - started < 2.0
 
 
 def test_a_peer_with_nothing_to_add_does_not_wait_for_ready_peers_that_refuse_it():
-    host = Host([look(ready=["B"])], ["fail", "ok"])
-    host.averaging_timeout_s = 5.0
-    outcome = host._average(weight=0.0)
+    host = Host([look(ready=["B"])], ["fail", "ok"], averaging_timeout_s=5.0)
+    outcome = host.run(0.0, host.position)
     assert outcome.kind is Outcome.NO_GROUP and outcome.attempts == 1
 
 
 def test_under_wait_it_keeps_looking_until_it_is_interrupted():
     host = Host([look()], ["fail"] * 5 + ["interrupt"], policy="wait")
-    outcome = host._average(weight=8.0)
+    outcome = host.run(8.0, host.position)
     assert outcome.kind is Outcome.NO_GROUP and outcome.attempts == 6
 
 
 def test_a_single_attempt_is_one_attempt():
     host = Host([look(ready=["B"])], ["fail", "ok"])
-    outcome = host._average(weight=0.0, single_attempt=True)
+    outcome = host.run(0.0, host.position, single_attempt=True)
     assert outcome.kind is Outcome.NO_GROUP and outcome.attempts == 1
 
 
@@ -188,4 +182,4 @@ def test_a_member_of_our_last_round_not_yet_showing_its_commit_is_late_not_gone(
     outlook = outlook_of(records, outer_step=5, local_step=100, last_group={"B"})
     assert outlook == RoundOutlook(ahead=False, ready=[], late={"B": 80})
     host = Host([outlook, look(ready=["B"])], ["fail", "ok"])
-    assert host._average(weight=8.0).kind is Outcome.AVERAGED
+    assert host.run(8.0, host.position).kind is Outcome.AVERAGED
