@@ -13,14 +13,13 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import MISSING, fields
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import click
 
 from p2ptrain import __version__
 # light on purpose (no torch, no hivemind): every import at this level runs before --help can print
-from p2ptrain.config import COMPRESSION_NAMES, NO_GROUP_POLICIES
+from p2ptrain.config import Setting, settings
 
 logger = logging.getLogger("p2ptrain.cli")
 
@@ -148,126 +147,39 @@ def kill_process_tree() -> None:
 
 # --------------------------------------------------------------------------------------- config-backed options
 
-# (flag, config field, click kwargs). The config field's default is shown in --help; a flag or its P2PTRAIN_*
-# variable only overrides the config file when it was actually given.
-RUN_OPTIONS: List[Tuple[str, str, Dict[str, Any]]] = [
-    ("--run-id", "run_id", dict(help="Training run name; peers of one run must share it.")),
-    ("--initial-peers", "swarm.initial_peers", dict(multiple=True, help="Multiaddr of a live peer (repeatable).")),
-    ("--initial-peers-file", "swarm.initial_peers_file",
-     dict(type=click.Path(dir_okay=False),
-          help="File of initial peers, one multiaddr per line (a bootstrap peer's --maddrs-file); waited for.")),
-    ("--host-maddrs", "swarm.host_maddrs", dict(multiple=True, help="Multiaddr to listen on (repeatable).")),
-    ("--announce-maddrs", "swarm.announce_maddrs",
-     dict(multiple=True, help="Multiaddr others should dial, e.g. your public IP and forwarded port (repeatable).")),
-    ("--identity", "swarm.identity_path", dict(help="Private key file for a stable peer id; created if missing.")),
-    ("--swarm-key", "swarm.swarm_key_file",
-     dict(type=click.Path(dir_okay=False),
-          help="The swarm's shared key file (p2ptrain keygen); only peers holding it take part. Default: open.")),
-    ("--reachability", "swarm.reachability",
-     dict(type=click.Choice(["auto", "public", "client"]),
-          help="public: a full member others dial; client: dial out only (behind NAT); auto: ask an initial peer "
-               "to dial this host back, then pick.")),
-    ("--use-relay/--no-use-relay", "swarm.use_relay",
-     dict(help="Allow libp2p circuit relays to carry traffic of peers that cannot be dialled.")),
-    ("--use-auto-relay/--no-use-auto-relay", "swarm.use_auto_relay",
-     dict(help="Find relays and advertise relayed addresses (behind NAT).")),
-    ("--bootstrap-timeout", "swarm.bootstrap_timeout_s",
-     dict(type=float, help="Seconds to wait for an initial peer to answer.")),
-    ("--local-steps", "diloco.local_steps", dict(type=click.IntRange(min=1), help="Inner steps between syncs (H).")),
-    ("--inner-lr", "diloco.inner_lr", dict(type=float, help="AdamW learning rate.")),
-    ("--outer-lr", "diloco.outer_lr", dict(type=float, help="Outer SGD (Nesterov) learning rate.")),
-    # config's copy of averaging/compression.py's names: importing that module would pull in hivemind and torch
-    # and slow down --help; tests/unit/test_startup.py checks that the two agree
-    ("--compression", "diloco.compression",
-     dict(type=click.Choice(list(COMPRESSION_NAMES)),
-          help="Pseudo-gradients on the wire: fp32, fp16, bf16 (2 bytes/value) or int8 (~1 byte/value, with error "
-               "feedback).")),
-    ("--matchmaking-time", "diloco.matchmaking_time_s",
-     dict(type=float, help="Seconds a round looks for peers that no progress record announces; a round whose "
-                           "announced peers are all in starts at once.")),
-    ("--late-peer-wait", "diloco.late_peer_wait_s",
-     dict(type=click.FloatRange(min=0),
-          help="Seconds a round waits for live peers still in their inner steps once another is ready "
-               "[default: an inner phase / the peers expected, at least --matchmaking-time].")),
-    ("--averaging-timeout", "diloco.averaging_timeout_s",
-     dict(type=float, help="Seconds the all-reduce may take once a group formed.")),
-    ("--min-group-size", "diloco.min_group_size", dict(type=click.IntRange(min=1), help="Peers a round needs.")),
-    ("--target-group-size", "diloco.target_group_size",
-     dict(type=click.IntRange(min=1), help="Most peers per group [default: every live peer of the round].")),
-    ("--no-group-policy", "diloco.no_group_policy",
-     dict(type=click.Choice(list(NO_GROUP_POLICIES)), help="What to do when nobody is there to average with.")),
-    ("--model", "train.model", dict(help="Built-in model size: tiny, small, 124m.")),
-    ("--batch-size", "train.batch_size", dict(type=click.IntRange(min=1), help="Sequences per inner step.")),
-    ("--seed", "train.seed", dict(type=int, help="Model init seed; the same on every peer of a run.")),
-    ("--data", "train.data",
-     dict(multiple=True, help="Text file or folder of .txt files to train on (repeatable); default: built-in.")),
-    ("--num-shards", "train.num_shards", dict(type=click.IntRange(min=1), help="Disjoint shards of the data.")),
-    ("--shard-index", "train.shard_index",
-     dict(type=click.IntRange(min=0), help="Train on this shard; default: claim a free one.")),
-    ("--shard-size", "train.shard_size",
-     dict(type=click.IntRange(min=1), help="With --nproc-per-node: ranks that shard the model (default: all).")),
-    ("--activation-checkpointing/--no-activation-checkpointing", "train.activation_checkpointing",
-     dict(help="Recompute activations in the backward pass: less memory, ~1/3 more compute.")),
-    ("--memory-check/--no-memory-check", "train.memory_check",
-     dict(help="Refuse to start when the model will not fit in the free memory (estimated).")),
-    ("--device", "train.device", dict(help="auto, cpu, cuda or cuda:N (bf16 autocast on CUDA).")),
-    ("--max-outer-steps", "train.max_outer_steps",
-     dict(type=click.IntRange(min=1),
-          help="Leave cleanly after taking part in this many syncs, counted from when this worker starts training "
-               "(taking the swarm's state when left out of a round is not one); default: until stopped.")),
-    ("--until-outer-step", "train.until_outer_step",
-     dict(type=click.IntRange(min=1),
-          help="Leave cleanly once the run's outer step (as this worker holds it) reaches N; a worker that joins or "
-               "resumes at or past N leaves at once. Default: until stopped.")),
-    ("--eval-batches", "train.eval_batches", dict(type=click.IntRange(min=1), help="Held-out batches per eval.")),
-    ("--log-interval", "train.log_interval_s", dict(type=float, help="Seconds between log lines.")),
-    ("--threads", "train.threads",
-     dict(type=click.IntRange(min=1),
-          help="torch CPU threads; default: the cores this process may use. When K workers share one host give each "
-               "about cores/K, e.g. --threads 4 for 4 workers on 16 cores.")),
-    ("--checkpoint-dir", "train.checkpoint_dir",
-     dict(help="Write <run-id>.pt here atomically every --checkpoint-every syncs and at exit.")),
-    ("--checkpoint-every", "train.checkpoint_every",
-     dict(type=click.IntRange(min=1), help="Syncs between checkpoints.")),
-]
+
+def _option(s: Setting) -> Tuple[str, str, Dict[str, Any]]:
+    """(flag, config key, click kwargs) of a setting, all from its declaration in config.py. The option's own default
+    is None: a flag or its P2PTRAIN_* variable overrides the config file only when it was actually given; --help
+    shows the config field's default."""
+    bounds = dict(min=s.above if s.above is not None else s.at_least, max=s.below,
+                  min_open=s.above is not None, max_open=s.below is not None)
+    if s.choices is not None:
+        kind: Any = click.Choice(list(s.choices))
+    elif s.file:
+        kind = click.Path(dir_okay=False)
+    elif bounds["min"] is not None or bounds["max"] is not None:
+        kind = (click.IntRange if s.type is int else click.FloatRange)(**bounds)
+    else:
+        kind = s.type
+    shown = ", ".join(map(str, s.default)) if s.many else s.default
+    kwargs = dict(help=s.help, default=None, envvar=s.env, show_envvar=True,
+                  show_default=str(shown) if shown not in (None, "") else False)
+    if s.type is bool:
+        return f"{s.flag}/--no-{s.flag[2:]}", s.key, kwargs
+    return s.flag, s.key, dict(kwargs, type=kind, multiple=s.many)
 
 
-def _default_of(dotted: str) -> Any:
-    from p2ptrain.config import RunConfig
-
-    target: Any = RunConfig
-    for part in dotted.split("."):
-        field_ = {f.name: f for f in fields(target)}[part]
-        if field_.default is not MISSING:
-            value = field_.default
-        else:
-            value = field_.default_factory()
-        target = value
-    return value
-
-
-def _env_name(flag: str) -> str:
-    return "P2PTRAIN_" + flag.split("/")[0].lstrip("-").replace("-", "_").upper()
+RUN_OPTIONS: List[Tuple[str, str, Dict[str, Any]]] = [_option(s) for s in settings()]
 
 
 def run_options(only: Optional[set] = None) -> Callable:
-    """Attach the config-backed options (or the subset whose config field is in ``only``) to a command."""
+    """Attach the config-backed options (or the subset whose config key is in ``only``) to a command."""
 
     def decorate(command: Callable) -> Callable:
-        for flag, dotted, kwargs in reversed(RUN_OPTIONS):
-            if only is not None and dotted not in only:
-                continue
-            default = _default_of(dotted)
-            shown = ", ".join(map(str, default)) if isinstance(default, list) else default
-            command = click.option(
-                flag,
-                dotted.replace(".", "__"),
-                default=None,
-                envvar=_env_name(flag),
-                show_envvar=True,
-                show_default=str(shown) if shown not in (None, "", []) else False,
-                **kwargs,
-            )(command)
+        for flag, key, kwargs in reversed(RUN_OPTIONS):
+            if only is None or key in only:
+                command = click.option(flag, key.replace(".", "__"), **kwargs)(command)
         return command
 
     return decorate
