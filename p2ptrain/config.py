@@ -14,26 +14,36 @@ A config file mirrors the dataclasses::
     model = "small"
 
 Precedence, highest first: command-line flag, P2PTRAIN_* environment variable, config file, default.
+
+Each setting is declared once, as a field below: its type, its default, the docstring under it (the flag's help
+text), and through ``setting(...)`` its bounds or choices and its flag name when that is not the field's. ``settings()``
+derives from it the TOML key, the flag, the environment variable and the checks ``validate`` runs; the CLI builds its
+options from ``settings()`` (cli/options.py).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
 import math
 import os
 import socket
 import sys
-from dataclasses import dataclass, field
+import typing
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 # This module imports nothing heavy (no torch, no hivemind): the CLI reads it to build --help, which must start at
-# once. What it needs from the heavy modules is spelled out here; tests/unit/test_config.py checks that they agree.
+# once. What it needs from the heavy modules is spelled out here; tests/unit/test_startup.py checks that they agree.
 
 COMPRESSION_NAMES = ("none", "fp16", "bf16", "int8")
 """the codecs of averaging/compression.py's COMPRESSIONS, in its order"""
 NO_GROUP_POLICIES = ("apply_local", "wait")
 """diloco.NO_GROUP_POLICIES: what a peer does when nobody is there to average with"""
+REACHABILITY_MODES = ("auto", "public", "client")
+"""swarm/reachability.py's MODES"""
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -41,32 +51,43 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+def setting(default: Any = MISSING, *, factory: Any = MISSING, flag: Optional[str] = None,
+            at_least: Optional[float] = None, above: Optional[float] = None, below: Optional[float] = None,
+            choices: Optional[Sequence[str]] = None, file: bool = False, fix: Optional[str] = None) -> Any:
+    """A config field and what the flag, the environment variable and ``validate`` need to know about it beyond its
+    type and default: ``flag`` where it is not the field's name (``--matchmaking-time`` for matchmaking_time_s, the
+    unit dropped), bounds (``at_least`` inclusive, ``above``/``below`` exclusive; of each item of a list), ``choices``,
+    ``file`` (a path to a file: --help shows FILE) and ``fix``, said after a bound's error."""
+    metadata = dict(flag=flag, at_least=at_least, above=above, below=below, choices=choices, file=file, fix=fix)
+    return field(default=default, default_factory=factory, metadata=metadata)
+
+
 @dataclass
 class SwarmConfig:
     """How this peer joins the DHT."""
 
-    initial_peers: List[str] = field(default_factory=list)
+    initial_peers: List[str] = setting(factory=list)
     """multiaddrs of live peers (a bootstrap peer or any worker), each ending in /p2p/<peer id>"""
-    initial_peers_file: Optional[str] = None
+    initial_peers_file: Optional[str] = setting(None, file=True)
     """a file of more initial peers, one multiaddr per line (a bootstrap peer's --maddrs-file on a shared volume);
     waited for up to bootstrap_timeout_s, so a worker may start before its bootstrap peer"""
-    host_maddrs: List[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
-    """where to listen; tcp/0 picks a free port"""
-    announce_maddrs: List[str] = field(default_factory=list)
-    """addresses others should dial, if not the listening ones (public IP behind port forwarding)"""
-    identity_path: Optional[str] = None
+    host_maddrs: List[str] = setting(factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    """multiaddrs to listen on; tcp/0 picks a free port"""
+    announce_maddrs: List[str] = setting(factory=list)
+    """multiaddrs others should dial, if not the listening ones (a public IP and a forwarded port)"""
+    identity_path: Optional[str] = setting(None, flag="--identity")
     """private key file for a stable peer id; created if missing"""
-    reachability: str = "auto"
-    """public (a full member: others dial it), client (dials out only: behind NAT without a forwarded port), or
-    auto: ask an initial peer to dial this host back and pick (swarm/reachability.py)"""
+    swarm_key_file: Optional[str] = setting(None, flag="--swarm-key", file=True)
+    """the swarm's shared key file (p2ptrain keygen): only peers holding it take part; unset: an open swarm"""
+    reachability: str = setting("auto", choices=REACHABILITY_MODES)
+    """how others reach this peer: public (a full member: others dial it), client (dials out only: behind NAT
+    without a forwarded port), or auto: ask an initial peer to dial this host back, then pick"""
     use_relay: bool = True
     """let libp2p circuit relays carry traffic to/from peers that cannot be dialled directly"""
     use_auto_relay: bool = False
     """look for relays and advertise relayed addresses automatically (peers behind NAT)"""
-    bootstrap_timeout_s: float = 30.0
-    """give up joining if no initial peer answers within this time"""
-    swarm_key_file: Optional[str] = None
-    """the swarm's shared key (``p2ptrain keygen``): only peers holding it take part; None: an open swarm"""
+    bootstrap_timeout_s: float = setting(30.0, above=0)
+    """give up joining if no initial peer answers within this many seconds"""
 
 
 def default_threads() -> int:
@@ -87,34 +108,36 @@ class ConfigError(ValueError):
 class DiLoCoConfig:
     """The DiLoCo optimizer: inner AdamW, outer SGD with Nesterov momentum, averaging."""
 
-    local_steps: int = 500
+    local_steps: int = setting(500, at_least=1)
     """H: inner steps between syncs; more means less communication and more drift between peers"""
-    inner_lr: float = 4e-4
+    inner_lr: float = setting(4e-4, above=0)
     """AdamW learning rate"""
-    inner_weight_decay: float = 0.1
-    inner_betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    outer_lr: float = 0.7
-    """outer SGD learning rate (0.7 in the DiLoCo paper)"""
-    outer_momentum: float = 0.9
+    inner_weight_decay: float = setting(0.1, at_least=0)
+    """AdamW weight decay"""
+    inner_betas: List[float] = setting(factory=lambda: [0.9, 0.95], at_least=0, below=1)
+    """AdamW's two betas"""
+    outer_lr: float = setting(0.7, above=0)
+    """outer SGD (Nesterov) learning rate (0.7 in the DiLoCo paper)"""
+    outer_momentum: float = setting(0.9, at_least=0, below=1)
     """outer Nesterov momentum"""
-    compression: str = "fp16"
+    compression: str = setting("fp16", choices=COMPRESSION_NAMES)
     """pseudo-gradients on the wire: "fp16" (half the bytes), "bf16" (half, fp32's range, coarser), "int8" (a
     quarter, per-block scales, with error feedback) or "none" (fp32)"""
-    matchmaking_time_s: float = 5.0
-    """how long a round looks for peers beyond those the live peers' progress records announce (a round whose
+    matchmaking_time_s: float = setting(5.0, above=0)
+    """seconds a round looks for peers beyond those the live peers' progress records announce (a round whose
     announced peers are all in starts at once); raise it on slow links or if groups split"""
-    late_peer_wait_s: Optional[float] = None
-    """how long a round waits for live peers of its outer step still in their inner steps, once another peer is
+    late_peer_wait_s: Optional[float] = setting(None, at_least=0)
+    """seconds a round waits for live peers of its outer step still in their inner steps, once another peer is
     ready; unset: this peer's last inner phase / the peers expected (the break-even between idling the ready
     peers and throwing the late one's phase away), at least matchmaking_time_s. A peer alone at the sync
     point waits for the others while they make progress (a solo step would waste their inner steps)"""
-    averaging_timeout_s: float = 60.0
-    """how long the all-reduce may take once a group formed; raise it for big models on slow links"""
-    min_group_size: int = 2
+    averaging_timeout_s: float = setting(60.0, above=0)
+    """seconds the all-reduce may take once a group formed; raise it for big models on slow links"""
+    min_group_size: int = setting(2, at_least=1)
     """a round needs at least this many peers"""
-    target_group_size: Optional[int] = None
+    target_group_size: Optional[int] = setting(None, at_least=1)
     """at most this many peers per group; unset: every live peer of the round's outer step"""
-    no_group_policy: str = "apply_local"
+    no_group_policy: str = setting("apply_local", choices=NO_GROUP_POLICIES)
     """when no group forms: "apply_local" (own pseudo-gradient, only when no other live peer is at this outer
     step or those that are refuse to group) or "wait" (look again until a group forms)"""
 
@@ -125,17 +148,17 @@ class TrainConfig:
 
     model: str = "tiny"
     """built-in model size: tiny, small, 124m"""
-    batch_size: int = 16
+    batch_size: int = setting(16, at_least=1)
     """sequences per inner step"""
     seed: int = 0
     """model initialisation seed; every peer of a run must use the same one"""
-    data: List[str] = field(default_factory=list)
+    data: List[str] = setting(factory=list)
     """text files or folders of .txt files to train on; empty: the built-in corpus"""
-    num_shards: int = 16
+    num_shards: int = setting(16, at_least=1)
     """the training text is cut into this many disjoint shards; peers claim different ones"""
-    shard_index: Optional[int] = None
+    shard_index: Optional[int] = setting(None, at_least=0)
     """train on this shard; unset: claim a free one through the DHT"""
-    shard_size: Optional[int] = None
+    shard_size: Optional[int] = setting(None, at_least=1)
     """with several ranks per peer (join --nproc-per-node): ranks that shard the model (FSDP2); the rest replicate
     it (HSDP). Unset: all ranks shard"""
     activation_checkpointing: bool = False
@@ -144,31 +167,32 @@ class TrainConfig:
     memory_check: bool = True
     """at start-up, refuse to train when the estimated memory (per rank, host, /dev/shm) exceeds what is free"""
     device: str = "auto"
-    """auto, cpu or cuda (bf16 autocast on CUDA)"""
-    max_outer_steps: Optional[int] = None
+    """the device to train on: auto, cpu, cuda or cuda:N (bf16 autocast on CUDA)"""
+    max_outer_steps: Optional[int] = setting(None, at_least=1)
     """leave cleanly after taking part in this many syncs (rounds this peer averaged in, or stepped alone in; taking
     the swarm's state after it was left out of a round is not one), wherever the swarm was when it joined; unset:
     no limit"""
-    until_outer_step: Optional[int] = None
+    until_outer_step: Optional[int] = setting(None, at_least=1, fix="it is the run's outer step to stop at "
+                                                                    "(--max-outer-steps counts this peer's syncs instead)")
     """leave cleanly once the swarm's outer step that this peer holds reaches this number (an absolute step of the
     run: a peer that joins or resumes at or past it leaves without training); unset: no limit"""
-    eval_batches: int = 8
+    eval_batches: int = setting(8, at_least=1)
     """held-out batches for the eval loss, measured at start and after every sync"""
     log_interval_s: float = 10.0
     """seconds between log lines"""
-    threads: Optional[int] = None
-    """torch CPU threads; unset: the cores this process may use (config.default_threads()). When K workers share
-    one host, give each about cores/K (e.g. 4 for 4 workers on 16 cores)"""
+    threads: Optional[int] = setting(None, at_least=1)
+    """CPU threads for torch; unset: the cores this process may use. When K workers share one host, give each about
+    cores/K (e.g. 4 for 4 workers on 16 cores)"""
     checkpoint_dir: Optional[str] = None
     """write <run_id>.pt here atomically every checkpoint_every syncs and at exit; unset: no checkpoints"""
-    checkpoint_every: int = 10
+    checkpoint_every: int = setting(10, at_least=1)
     """syncs between checkpoints"""
 
 
 @dataclass
 class RunConfig:
     run_id: str = "p2ptrain"
-    """namespaces every DHT key of a training run; peers of one run must share it"""
+    """the training run's name: it namespaces every DHT key of the run, so its peers must share it"""
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -178,6 +202,114 @@ class RunConfig:
 
 
 SECTIONS = {"swarm": SwarmConfig, "diloco": DiLoCoConfig, "train": TrainConfig}
+
+
+# ------------------------------------------------------------------------------------- settings, from the fields
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting as the config file, the command line and the environment name it, derived from its field."""
+
+    key: str
+    """the TOML key, the name errors use: diloco.local_steps (run_id at the top level)"""
+    flag: str
+    """the flag, e.g. --local-steps (a bool's also has a --no- form)"""
+    env: str
+    """the environment variable, e.g. P2PTRAIN_LOCAL_STEPS; a list's items are separated by spaces there"""
+    type: type
+    """int, float, str or bool: of the value, or of each item of a list"""
+    many: bool
+    """a list: the flag is repeatable"""
+    optional: bool
+    """None (unset) is a value"""
+    default: Any
+    doc: str
+    """the docstring under the field, on one line"""
+    at_least: Optional[float] = None
+    above: Optional[float] = None
+    below: Optional[float] = None
+    choices: Optional[Tuple[str, ...]] = None
+    file: bool = False
+    fix: Optional[str] = None
+
+    @property
+    def help(self) -> str:
+        """The doc as --help shows it: a sentence."""
+        text = self.doc[:1].upper() + self.doc[1:]
+        text += "" if text.endswith(".") else "."
+        return text + " Repeatable." if self.many else text
+
+    def problem(self, value: Any) -> Optional[str]:
+        """What is wrong with ``value`` for this setting, in the words of a one-line error; None if nothing."""
+        if value is None:
+            return None
+        for item in value if self.many else [value]:
+            if self.choices is not None and item not in self.choices:
+                return f"{self.key} {item!r} is unknown; use one of: {', '.join(self.choices)}"
+            if self.type is float and not math.isfinite(item):
+                return f"{self.key} must be a finite number, got {value}"
+            low_ok = ((self.at_least is None or item >= self.at_least) and (self.above is None or item > self.above))
+            if low_ok and (self.below is None or item < self.below):
+                continue
+            if self.below is not None:
+                low = f"[{self.at_least}" if self.above is None else f"({self.above}"
+                bound = f"in {low}, {self.below})"
+            elif self.above is not None:
+                bound = "positive" if self.above == 0 else f"above {self.above}"
+            else:
+                bound = f"at least {self.at_least}"
+            return f"{self.key} must be {bound}, got {value}" + (f"; {self.fix}" if self.fix else "")
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def settings() -> Tuple[Setting, ...]:
+    """Every setting of a RunConfig, in the order of the fields: run_id, then [swarm], [diloco], [train]."""
+    docs = _field_docs()
+    found = []
+    for section, cls in [("", RunConfig), *SECTIONS.items()]:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if not section and f.name in SECTIONS:
+                continue
+            kind, optional = hints[f.name], False
+            if typing.get_origin(kind) is typing.Union:  # Optional[X]
+                (kind,), optional = [a for a in typing.get_args(kind) if a is not type(None)], True
+            many = typing.get_origin(kind) is list
+            kind = typing.get_args(kind)[0] if many else kind
+            meta = f.metadata
+            flag = meta.get("flag") or "--" + f.name.removesuffix("_s").replace("_", "-")
+            choices = meta.get("choices")
+            found.append(Setting(
+                key=f"{section}.{f.name}" if section else f.name, flag=flag,
+                env="P2PTRAIN_" + flag[2:].replace("-", "_").upper(), type=kind, many=many, optional=optional,
+                default=f.default if f.default is not MISSING else f.default_factory(),
+                doc=docs.get((cls.__name__, f.name), ""), at_least=meta.get("at_least"), above=meta.get("above"),
+                below=meta.get("below"), choices=tuple(choices) if choices else None, file=meta.get("file", False),
+                fix=meta.get("fix"),
+            ))
+    return tuple(found)
+
+
+def _field_docs() -> Dict[Tuple[str, str], str]:
+    """{(class name, field name): the docstring under the field, on one line}, read from this file's source (Python
+    keeps no such docstring at run time). Without the source (a frozen build), the help texts are empty."""
+    try:
+        tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError):  # pragma: no cover
+        return {}
+    docs = {}
+    for cls in (node for node in tree.body if isinstance(node, ast.ClassDef)):
+        for node, after in zip(cls.body, cls.body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                    and isinstance(after.value.value, str)):
+                docs[(cls.name, node.target.id)] = " ".join(after.value.value.split())
+    return docs
+
+
+# ----------------------------------------------------------------------------------------- load and validate
 
 
 def load_config(path: Optional[str | Path] = None, overrides: Optional[Dict[str, Any]] = None) -> RunConfig:
@@ -220,43 +352,49 @@ def _apply(config: RunConfig, table: Dict[str, Any], source: str) -> None:
 
 
 def _set(config: RunConfig, section: str, name: str, value: Any, source: str) -> None:
-    target = getattr(config, section) if section else config
     if section and section not in SECTIONS:
         raise ConfigError(f"{source}: unknown section [{section}]; sections are {', '.join(SECTIONS)}")
-    fields = {f.name: f for f in dataclasses.fields(target)}
     where = f"{section}.{name}" if section else name
-    if name not in fields or (not section and name in SECTIONS):
-        known = ", ".join(f for f in fields if f not in SECTIONS)
-        raise ConfigError(f"{source}: unknown setting {where!r}; known settings here: {known}")
-    setattr(target, name, _coerce(fields[name], value, where, source))
+    known = {s.key: s for s in settings() if s.key.rpartition(".")[0] == section}
+    if where not in known:
+        names = ", ".join(key.rpartition(".")[2] for key in known)
+        raise ConfigError(f"{source}: unknown setting {where!r}; known settings here: {names}")
+    setattr(getattr(config, section) if section else config, name, _coerce(known[where], value, source))
 
 
-def _coerce(f: dataclasses.Field, value: Any, where: str, source: str) -> Any:
-    """Check a value against the field's declared type, with the one-line message the user needs."""
-    kind = str(f.type)
+def _coerce(s: Setting, value: Any, source: str) -> Any:
+    """Check a value against the setting's declared type, with the one-line message the user needs."""
     if value is None:
-        if "Optional" in kind:
+        if s.optional:
             return None
-        raise ConfigError(f"{source}: {where} cannot be empty")
-    if kind.startswith("List"):
-        if isinstance(value, (str, int, float)):
-            value = [value]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{source}: {where} must be a list, got {value!r}")
-        return list(value)
-    expected = {"int": int, "float": float, "str": str, "bool": bool}
-    for name, typ in expected.items():
-        if name in kind:
-            if typ is float and isinstance(value, int) and not isinstance(value, bool):
-                return float(value)
-            if typ is not bool and isinstance(value, bool) or not isinstance(value, typ):
-                raise ConfigError(f"{source}: {where} must be {'a' if name != 'int' else 'an'} {name}, got {value!r}")
-            return value
-    return value
+        raise ConfigError(f"{source}: {s.key} cannot be empty")
+    if not s.many:
+        return _coerce_one(s, value, value, source)
+    if isinstance(value, (str, int, float)):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{source}: {s.key} must be a list, got {value!r}")
+    return [_coerce_one(s, item, value, source) for item in value]
+
+
+def _coerce_one(s: Setting, item: Any, value: Any, source: str) -> Any:
+    if s.type is float and isinstance(item, int) and not isinstance(item, bool):
+        return float(item)
+    if s.type is not bool and isinstance(item, bool) or not isinstance(item, s.type):
+        name = s.type.__name__
+        kind = f"{'an' if name == 'int' else 'a'} {name}" if not s.many else f"a list of {name}"
+        raise ConfigError(f"{source}: {s.key} must be {kind}, got {value!r}")
+    return item
 
 
 def validate(config: RunConfig) -> None:
-    """Raise ConfigError for values that cannot work, naming the setting and the fix."""
+    """Raise ConfigError for values that cannot work, naming the setting and the fix: first each setting's declared
+    bounds and choices, then what involves several settings or another module."""
+    for s in settings():
+        section, _, name = s.key.rpartition(".")
+        problem = s.problem(getattr(getattr(config, section) if section else config, name))
+        if problem:
+            raise ConfigError(problem)
     d, t, s = config.diloco, config.train, config.swarm
 
     def need(ok: bool, message: str) -> None:
@@ -265,40 +403,13 @@ def validate(config: RunConfig) -> None:
 
     need(bool(config.run_id) and "." not in config.run_id and " " not in config.run_id,
          f"run_id {config.run_id!r} must be non-empty without dots or spaces; e.g. --run-id exp1")
-    need(d.local_steps >= 1, f"diloco.local_steps must be at least 1, got {d.local_steps}")
-    need(d.inner_lr > 0 and d.outer_lr > 0, "diloco.inner_lr and diloco.outer_lr must be positive")
-    need(0 <= d.outer_momentum < 1, f"diloco.outer_momentum must be in [0, 1), got {d.outer_momentum}")
-    need(len(d.inner_betas) == 2 and all(0 <= b < 1 for b in d.inner_betas),
-         f"diloco.inner_betas must be two numbers in [0, 1), got {d.inner_betas}")
-    need(d.compression in COMPRESSION_NAMES,
-         f"diloco.compression {d.compression!r} is unknown; use one of: {', '.join(COMPRESSION_NAMES)}")
-    need(d.matchmaking_time_s > 0 and math.isfinite(d.matchmaking_time_s),
-         f"diloco.matchmaking_time_s must be a positive number of seconds, got {d.matchmaking_time_s}")
-    need(d.late_peer_wait_s is None or (d.late_peer_wait_s >= 0 and math.isfinite(d.late_peer_wait_s)),
-         f"diloco.late_peer_wait_s must be a non-negative number of seconds, got {d.late_peer_wait_s}")
-    need(d.averaging_timeout_s > 0, f"diloco.averaging_timeout_s must be positive, got {d.averaging_timeout_s}")
-    need(d.min_group_size >= 1, f"diloco.min_group_size must be at least 1, got {d.min_group_size}")
+    need(len(d.inner_betas) == 2, f"diloco.inner_betas must be two numbers in [0, 1), got {d.inner_betas}")
     need(d.target_group_size is None or d.target_group_size >= d.min_group_size,
          "diloco.target_group_size must be at least diloco.min_group_size")
-    need(d.no_group_policy in NO_GROUP_POLICIES,
-         f"diloco.no_group_policy {d.no_group_policy!r} is unknown; use one of: {', '.join(NO_GROUP_POLICIES)}")
-    need(t.batch_size >= 1, f"train.batch_size must be at least 1, got {t.batch_size}")
-    need(t.num_shards >= 1, f"train.num_shards must be at least 1, got {t.num_shards}")
-    need(t.shard_size is None or t.shard_size >= 1, f"train.shard_size must be at least 1, got {t.shard_size}")
-    need(t.shard_index is None or 0 <= t.shard_index < t.num_shards,
+    need(t.shard_index is None or t.shard_index < t.num_shards,
          f"train.shard_index {t.shard_index} must be in [0, {t.num_shards}); or leave it unset to claim one")
     need(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),
          f"train.device {t.device!r} is unknown; use auto, cpu, cuda or cuda:N")
-    need(t.max_outer_steps is None or t.max_outer_steps >= 1,
-         f"train.max_outer_steps must be at least 1, got {t.max_outer_steps}")
-    need(t.until_outer_step is None or t.until_outer_step >= 1,
-         f"train.until_outer_step must be at least 1, got {t.until_outer_step}; it is the run's outer step to stop "
-         "at (--max-outer-steps counts this peer's syncs instead)")
-    need(t.checkpoint_every >= 1, f"train.checkpoint_every must be at least 1, got {t.checkpoint_every}")
-    need(t.eval_batches >= 1, f"train.eval_batches must be at least 1, got {t.eval_batches}")
-    need(s.reachability in ("auto", "public", "client"),
-         f"swarm.reachability {s.reachability!r} is unknown; use one of: auto, public, client")
-    need(s.bootstrap_timeout_s > 0, f"swarm.bootstrap_timeout_s must be positive, got {s.bootstrap_timeout_s}")
     from p2ptrain.swarm.dht import check_maddrs  # late: it parses with hivemind's multiaddr, which loads torch
 
     try:

@@ -19,9 +19,13 @@ eval loss is within 5% of the same swarm's without faults (run first, same seeds
 
 from __future__ import annotations
 
+import json
 import math
 import signal
+import subprocess
+import sys
 import time
+import os
 from pathlib import Path
 from typing import Dict, List
 
@@ -252,3 +256,74 @@ def test_survivors_regroup_at_once_after_a_member_dies_mid_round(tmp_path):
             digests.setdefault(r["outer_step"], set()).add(r["digest"])
     assert all(len(d) == 1 for d in digests.values()), "the survivors diverged"
     print(f"seconds from a death to both survivors' next commit: {' '.join(f'{t:.1f}' for t in sync_after_death)}")
+
+
+SPLIT_PEER = Path(__file__).with_name("mixed_round_peer.py")
+
+
+def split_records(tmp_path: Path, i: int) -> List[dict]:
+    path = tmp_path / f"peer-{i}.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+@pytest.mark.slow  # about 60 s on 2 cores: `make test-slow` (CI runs it)
+def test_a_round_some_survivors_committed_and_others_lost_ends_on_one_state(tmp_path):
+    """Three peers whose all-reduce ranges are one part each (tests/swarm/mixed_round_peer.py); peer 2 dies (SIGKILL,
+    whole tree) in the round from outer step 2 after the first of its two senders took its average and before the
+    other got it.
+    That sender holds every range and commits the round of three; the other lacks peer 2's range, finds the round
+    incomplete and must not apply anything of it: it takes the committed state instead (or re-runs the round, were
+    nobody to have committed). Afterwards both survivors hold the same digest for every outer step, and train on
+    together in rounds of two up to the last outer step."""
+    outer_steps = 7
+    procs: Dict[int, subprocess.Popen] = {}
+
+    def start(i: int, *extra: str, env=None) -> None:
+        procs[i] = subprocess.Popen([sys.executable, str(SPLIT_PEER), "--index", str(i), "--dir", str(tmp_path),
+                                     "--outer-steps", str(outer_steps), *extra],
+                                    stdout=open(tmp_path / f"peer-{i}.log", "wb"), stderr=subprocess.STDOUT,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+    def log(i: int) -> str:
+        return (tmp_path / f"peer-{i}.log").read_text()
+
+    try:
+        start(0)
+        wait_until(lambda: (tmp_path / "maddrs-0").exists(), "peer 0's addresses", 60, procs=[("peer 0", procs[0])])
+        entry = (tmp_path / "maddrs-0").read_text().split()
+        start(1, "--initial-peers", *entry)
+        # a count never reached: the fault only names the round; --split decides when the peer dies in it
+        start(2, "--initial-peers", *entry, "--split", env={"P2PTRAIN_FAULT": "kill-mid-allreduce@2:1000"})
+        # every peer in the first round: the victim must be a member of the round it is told to die in
+        wait_until(lambda: all((tmp_path / f"ready-{i}").exists() for i in procs), "all three optimizers up", 90,
+                   procs=[(f"peer {i}", p) for i, p in procs.items()])
+        (tmp_path / "go").touch()
+
+        assert exit_code(procs[2], 120, lambda: log(2)) == -signal.SIGKILL, log(2)[-3000:]
+        assert "split fault: the first sender has its averages" in log(2)
+        for i in (0, 1):
+            assert exit_code(procs[i], 120, lambda: log(i)) == 0, log(i)[-3000:]
+    finally:
+        stop_all(list(procs.values()))
+
+    records = {i: split_records(tmp_path, i) for i in range(3)}
+    assert [r["outer_step"] for r in records[2]] == [1, 2], records[2]  # it died in the round from outer step 2
+    # the round from outer step 2 split the survivors: one committed it with the dead peer, the other did not
+    # (the one that lost it takes the committed state: at its sync, or by joining the next round with weight 0)
+    first = {i: [r for r in records[i] if r["outer_step"] > 2][0] for i in (0, 1)}
+    committed = [i for i in (0, 1) if first[i]["outer_step"] == 3 and first[i]["averaged"]
+                 and first[i]["group_size"] == 3 and not first[i]["caught_up"]]
+    assert len(committed) == 1, f"the kill did not split the survivors (one committed, one lost the round): {first}"
+    other = 1 - committed[0]
+    assert first[other]["caught_up"], f"the survivor that lost the round did not take the committed state: {first}"
+    # ... and ended on one state: the same digest for every outer step on every peer that holds one
+    digests: Dict[int, set] = {}
+    for peer in records.values():
+        for r in peer:
+            digests.setdefault(r["outer_step"], set()).add(r["digest"])
+    assert all(len(found) == 1 for found in digests.values()), f"peers hold different parameters: {digests}"
+    # and the swarm went on: both survivors reached the last outer step, averaging together after the split
+    for i in (0, 1):
+        assert records[i][-1]["outer_step"] == outer_steps
+        after = [r for r in records[i] if r["outer_step"] > 3]
+        assert after and all(r["averaged"] and r["group_size"] == 2 for r in after), after

@@ -8,7 +8,6 @@ from functools import partial
 import hivemind
 import pytest
 import torch
-from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 
 from p2ptrain import DiLoCoOptimizer
 from p2ptrain.averaging.compression import Int8Codec, get_compression, wire_parts
@@ -24,9 +23,10 @@ def make_model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
 
 
-def batches(peer: int, num: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(peer: int, sizes: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Peer ``peer``'s data: one batch of ``sizes[k]`` samples per inner step k, the same on every call."""
     gen = torch.Generator().manual_seed(1000 + peer)
-    return [(torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(num)]
+    return [(torch.randn(n, 16, generator=gen), torch.randn(n, 4, generator=gen)) for n in sizes]
 
 
 @pytest.fixture
@@ -47,10 +47,14 @@ def third_dht(two_dhts):
     node.shutdown()
 
 
-def train_peers(dhts, *, compression: str, local_steps: int, outer_steps: int, run_id: str):
-    """Drive one DiLoCoOptimizer per DHT from its own thread; return models, optimizers and per-sync snapshots."""
+def train_peers(dhts, *, compression: str, local_steps: int, outer_steps: int, run_id: str, sizes=None):
+    """Drive one DiLoCoOptimizer per DHT from its own thread through the public API only: ``step(batch_size=n)``
+    on a batch of n samples, then ``zero_grad()``, every inner step (every ``local_steps``-th step syncs inside
+    ``step``). ``sizes[i]``: peer i's batch sizes, one per inner step (default 8 each). Returns models, optimizers
+    and each peer's parameters right after each sync."""
+    sizes = sizes or [[8] * (local_steps * outer_steps) for _ in dhts]
     models = [make_model() for _ in dhts]
-    data = [batches(i, local_steps * outer_steps) for i in range(len(dhts))]
+    data = [batches(i, sizes[i]) for i in range(len(dhts))]
     opts = [
         DiLoCoOptimizer(
             model.parameters(),
@@ -62,33 +66,23 @@ def train_peers(dhts, *, compression: str, local_steps: int, outer_steps: int, r
             compression=compression,
             matchmaking_time_s=3.0,
             averaging_timeout_s=30.0,
-            batch_size=8,
+            batch_size=8,  # the default weight unit: every step() below names its own batch size, which must win
             target_group_size=len(dhts),
         ).start()
         for model, dht in zip(models, dhts)
     ]
-    # snapshots[peer][k] = parameters right after sync k+1; inner_end[peer][k] = parameters right before it
-    snapshots = [[] for _ in dhts]
-    before_sync = [[] for _ in dhts]
+    snapshots = [[] for _ in dhts]  # snapshots[peer][k] = parameters right after sync k+1
     errors = []
 
     def run(i: int):
         try:
             model, opt = models[i], opts[i]
-            for step, (x, y) in enumerate(data[i]):
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                loss.backward()
-                if (step + 1) % local_steps == 0:
-                    # the sync happens inside this step(): record what the inner step alone gives
-                    opt.inner_optimizer.step()
-                    before_sync[i].append([p.detach().clone() for p in model.parameters()])
-                    opt.local_step += 1
-                    opt.samples_since_sync += 8
-                    opt.sync()
-                    snapshots[i].append([p.detach().clone() for p in model.parameters()])
-                else:
-                    opt.step()
+            for x, y in data[i]:
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step(batch_size=len(x))
                 opt.zero_grad()
+                if len(opt.history) > len(snapshots[i]):  # that step synced
+                    snapshots[i].append([p.detach().clone() for p in model.parameters()])
         except BaseException as e:  # surfaced in the main thread
             errors.append(e)
 
@@ -99,31 +93,98 @@ def train_peers(dhts, *, compression: str, local_steps: int, outer_steps: int, r
         t.join(timeout=150)
     assert not errors, errors
     assert not any(t.is_alive() for t in threads), "a training thread hung"
-    return models, opts, snapshots, before_sync
+    return models, opts, snapshots
+
+
+def reference_run(num_peers: int, *, local_steps: int, outer_steps: int, codec, part_size_bytes: int,
+                  error_feedback: bool = False, sizes=None):
+    """The whole swarm in one process, with no network: each peer's inner AdamW replayed on its own model copy with
+    the same data, then the group's sample-weighted average of the pseudo-gradients as the all-reduce computes it
+    (p2ptrain.outer.group_average: each contribution rounded part by part, the average rounded again) and the outer
+    Nesterov SGD step, after which every replica restarts from the global parameters (its AdamW state kept).
+    Returns the global parameters after each outer step and each peer's error-feedback residuals at the end."""
+    from p2ptrain.outer import add_error_feedback_, group_average, outer_step_
+
+    sizes = sizes or [[8] * (local_steps * outer_steps) for _ in range(num_peers)]
+    models = [make_model() for _ in range(num_peers)]
+    inner = [INNER(model.parameters()) for model in models]
+    data = [batches(i, sizes[i]) for i in range(num_peers)]
+    global_params = [torch.nn.Parameter(p.detach().clone()) for p in models[0].parameters()]
+    outer = OUTER(global_params)
+    residuals = [[torch.zeros_like(g) for g in global_params] for _ in range(num_peers)]
+    after = []
+    for k in range(outer_steps):
+        contributions, weights = [], []
+        for i, (model, opt) in enumerate(zip(models, inner)):
+            phase = range(k * local_steps, (k + 1) * local_steps)
+            for step in phase:
+                x, y = data[i][step]
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            with torch.no_grad():
+                contribution = [g - p for g, p in zip(global_params, model.parameters())]
+            if error_feedback:
+                add_error_feedback_(contribution, residuals[i], codec, part_size_bytes)
+            contributions.append(contribution)
+            weights.append(float(sum(sizes[i][step] for step in phase)))
+        average = group_average(contributions, weights, codec, part_size_bytes)
+        outer_step_(outer, global_params, average)
+        with torch.no_grad():
+            for model in models:
+                for p, g in zip(model.parameters(), global_params):
+                    p.copy_(g)
+        after.append([g.detach().clone() for g in global_params])
+    return after, residuals
 
 
 def test_two_peers_match_single_process_math(two_dhts):
     local_steps, outer_steps = 4, 3
-    models, opts, snapshots, before_sync = train_peers(
+    models, opts, snapshots = train_peers(
         two_dhts, compression="none", local_steps=local_steps, outer_steps=outer_steps, run_id="exact"
     )
     try:
         for opt in opts:
+            assert opt.outer_step == outer_steps and opt.local_step == local_steps * outer_steps
+            assert all(r.averaged and r.group_size == 2 and r.samples == 8 * local_steps for r in opt.history), \
+                opt.history
+        want, _ = reference_run(2, local_steps=local_steps, outer_steps=outer_steps, codec=get_compression("none"),
+                                part_size_bytes=opts[0].averager.part_size_bytes)
+        for k in range(outer_steps):
+            for i in range(2):
+                for got, expected in zip(snapshots[i][k], want[k]):
+                    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(a, b)
+    finally:
+        for opt in opts:
+            opt.close()
+
+
+# each peer's batch size at each inner step: the phases' sample counts differ between the peers and from phase to
+# phase (peer 0: 12, 18, 17; peer 1: 32, 6, 35), and none is local_steps x the constructor's batch_size (24)
+UNEVEN_SIZES = [[2, 6, 4, 10, 3, 5, 8, 8, 1], [16, 4, 12, 1, 2, 3, 20, 6, 9]]
+
+
+def test_average_is_weighted_by_the_samples_each_peer_stepped_with(two_dhts):
+    """Peers that call step(batch_size=n) with different n, and a different number of samples per phase, average
+    their pseudo-gradients weighted by the samples each actually trained on in that phase, not by steps, not by
+    the constructor's batch_size and not by a count carried over from the phase before."""
+    local_steps, outer_steps = 3, 3
+    models, opts, snapshots = train_peers(two_dhts, compression="none", local_steps=local_steps,
+                                          outer_steps=outer_steps, run_id="uneven", sizes=UNEVEN_SIZES)
+    try:
+        for i, opt in enumerate(opts):
             assert opt.outer_step == outer_steps
             assert all(r.averaged and r.group_size == 2 for r in opt.history), opt.history
-
-        # the same math in one process: mean pseudo-gradient, then the outer optimizer
-        reference = [p.detach().clone() for p in make_model().parameters()]
-        ref_params = [torch.nn.Parameter(p.clone()) for p in reference]
-        ref_outer = OUTER(ref_params)
+            phases = [sum(UNEVEN_SIZES[i][k * local_steps:(k + 1) * local_steps]) for k in range(outer_steps)]
+            assert [r.samples for r in opt.history] == phases
+        want, _ = reference_run(2, local_steps=local_steps, outer_steps=outer_steps, codec=get_compression("none"),
+                                part_size_bytes=opts[0].averager.part_size_bytes, sizes=UNEVEN_SIZES)
         for k in range(outer_steps):
-            with torch.no_grad():
-                for j, g in enumerate(ref_params):
-                    g.grad = torch.stack([g - before_sync[i][k][j] for i in range(2)]).mean(0)
-            ref_outer.step()
             for i in range(2):
-                for got, want in zip(snapshots[i][k], ref_params):
-                    torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)
+                for got, expected in zip(snapshots[i][k], want[k]):
+                    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
     finally:
         for opt in opts:
             opt.close()
@@ -131,7 +192,7 @@ def test_two_peers_match_single_process_math(two_dhts):
 
 @pytest.mark.parametrize("compression", ["fp16", "bf16", "int8"])
 def test_lossy_syncs_leave_peers_bit_identical(two_dhts, compression):
-    models, opts, snapshots, _ = train_peers(
+    models, opts, snapshots = train_peers(
         two_dhts, compression=compression, local_steps=3, outer_steps=4, run_id=f"bits-{compression}"
     )
     try:
@@ -151,19 +212,13 @@ def test_lossy_syncs_leave_peers_bit_identical(two_dhts, compression):
             opt.close()
 
 
-def wire_roundtrip(tensor: torch.Tensor, codec) -> torch.Tensor:
-    """What a tensor becomes on the wire: each all-reduce part through the codec."""
-    parts = wire_parts(tensor, codec, DEFAULT_PART_SIZE_BYTES)
-    return torch.cat([codec.roundtrip(part) for part in parts]).view_as(tensor)
-
-
 def test_int8_with_error_feedback_matches_single_process_math(two_dhts):
     """int8 with error feedback, modelled exactly in one process: every peer sends round(pseudo-gradient +
     residual) (the reducer rounds its own part too), the reducer averages in fp32 and rounds the average once, and
     each peer keeps residual = sent - round(sent). Without the residual, or with an unrounded own part, the result
     is off by about half an int8 step (~1e-4 here), far above the tolerance."""
     local_steps, outer_steps = 3, 4
-    models, opts, snapshots, before_sync = train_peers(
+    models, opts, snapshots = train_peers(
         two_dhts, compression="int8", local_steps=local_steps, outer_steps=outer_steps, run_id="int8-ef"
     )
     try:
@@ -172,28 +227,17 @@ def test_int8_with_error_feedback_matches_single_process_math(two_dhts):
             assert opt.error_feedback and opt.outer_step == outer_steps
             assert all(r.averaged and r.group_size == 2 for r in opt.history), opt.history
 
-        ref_params = [torch.nn.Parameter(p.detach().clone()) for p in make_model().parameters()]
-        ref_outer = OUTER(ref_params)
-        residuals = [[torch.zeros_like(p) for p in ref_params] for _ in range(2)]
-        largest_residual = 0.0
+        want, residuals = reference_run(2, local_steps=local_steps, outer_steps=outer_steps, codec=codec,
+                                        part_size_bytes=opts[0].averager.part_size_bytes, error_feedback=True)
         for k in range(outer_steps):
-            with torch.no_grad():
-                for j, g in enumerate(ref_params):
-                    sent = [g - before_sync[i][k][j] + residuals[i][j] for i in range(2)]
-                    on_wire = [wire_roundtrip(x, codec) for x in sent]
-                    for i in range(2):
-                        residuals[i][j] = sent[i] - on_wire[i]
-                        largest_residual = max(largest_residual, float(residuals[i][j].abs().max()))
-                    # equal weights (8 samples each): the weighted mean is (a + b) / 2 with one fp32 rounding
-                    g.grad = wire_roundtrip((on_wire[0] * 8 + on_wire[1] * 8) / 16, codec)
-            ref_outer.step()
             for i in range(2):
-                for got, want in zip(snapshots[i][k], ref_params):
-                    torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)
+                for got, expected in zip(snapshots[i][k], want[k]):
+                    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+        largest_residual = max(float(r.abs().max()) for peer in residuals for r in peer)
         assert largest_residual > 1e-5  # the test would notice a missing residual
         for i in range(2):
-            for got, want in zip(opts[i]._residuals, residuals[i]):
-                torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+            for got, expected in zip(opts[i]._residuals, residuals[i]):
+                torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
         # taking the swarm's state drops the residual: it belongs to this peer's own trajectory
         assert any(r.any() for r in opts[1]._residuals)
@@ -341,7 +385,7 @@ def test_client_mode_peer_averages_bit_identically():
     server = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     client = hivemind.DHT(start=True, client_mode=True, initial_peers=server.get_visible_maddrs())
     try:
-        models, opts, snapshots, _ = train_peers(
+        models, opts, snapshots = train_peers(
             [server, client], compression="fp16", local_steps=3, outer_steps=3, run_id="nat"
         )
         try:
@@ -363,7 +407,7 @@ def test_client_mode_peer_averages_bit_identically():
 
 def test_newcomer_takes_the_swarm_state(two_dhts, third_dht):
     """After two peers synced twice, a third peer downloads exactly their global state and outer momentum."""
-    models, opts, _, _ = train_peers(two_dhts, compression="fp16", local_steps=3, outer_steps=2, run_id="join")
+    models, opts, _ = train_peers(two_dhts, compression="fp16", local_steps=3, outer_steps=2, run_id="join")
     torch.manual_seed(123)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))  # other init
     newcomer = DiLoCoOptimizer(model.parameters(), dht=third_dht, run_id="join", local_steps=3,
@@ -394,12 +438,12 @@ def test_newcomer_takes_the_swarm_state(two_dhts, third_dht):
 
 def test_peer_behind_the_swarm_catches_up_instead_of_averaging(two_dhts, third_dht):
     """A peer whose sync comes while the swarm is at a later outer step takes the state rather than average."""
-    models, opts, _, _ = train_peers(two_dhts, compression="fp16", local_steps=3, outer_steps=2, run_id="late")
+    models, opts, _ = train_peers(two_dhts, compression="fp16", local_steps=3, outer_steps=2, run_id="late")
     model = make_model()
     late = DiLoCoOptimizer(model.parameters(), dht=third_dht, run_id="late", local_steps=3, inner_optimizer=INNER,
                            outer_optimizer=OUTER, matchmaking_time_s=2.0, no_group_policy="wait").start()
     try:
-        for x, y in batches(5, 3):  # three local steps from the stale start: the third one syncs
+        for x, y in batches(5, [8] * 3):  # three local steps from the stale start: the third one syncs
             torch.nn.functional.mse_loss(model(x), y).backward()
             late.step()
             late.zero_grad()
@@ -419,7 +463,7 @@ def test_peer_behind_the_swarm_catches_up_instead_of_averaging(two_dhts, third_d
 def test_diverged_global_parameters_are_detected_and_repaired(two_dhts):
     """Peers that start a round from different global parameters (e.g. one kept its own values for parts whose
     reducer died) notice it from the digests in the round and end the round on one state again."""
-    models, opts, _, _ = train_peers(two_dhts, compression="fp16", local_steps=3, outer_steps=1, run_id="digest")
+    models, opts, _ = train_peers(two_dhts, compression="fp16", local_steps=3, outer_steps=1, run_id="digest")
     try:
         with torch.no_grad():  # peer 1's global parameters silently drift by one ulp-sized step
             opts[1].global_params[0].view(-1)[0] += 1e-3

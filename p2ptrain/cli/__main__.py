@@ -1,0 +1,3 @@
+from p2ptrain.cli import main
+
+main()

@@ -1,0 +1,115 @@
+"""One DiLoCo peer of test_chaos.py's split-round test: a model of one weight tensor on a plain hivemind DHT.
+
+    python tests/swarm/mixed_round_peer.py --index I --dir DIR --outer-steps N [--initial-peers MADDR] [--split]
+
+The model is one tensor of three 512 KiB fp16 parts, so that in a group of three every member reduces exactly one
+part. A reducer answers every sender of a part at once (they all wait on the same average), so
+``P2PTRAIN_FAULT=kill-mid-allreduce@S:<n>`` alone gives either everyone or nobody its range. With ``--split`` this
+peer (the victim; the survivors run p2ptrain unchanged) withholds the average of the round that fault names from
+all senders but the first, waits until that first sender has taken it and closed its stream, and then dies as the
+fault does (SIGKILL of its whole tree): one survivor holds every range, the other lacks this one. The peer writes DIR/maddrs-I (its addresses),
+DIR/ready-I once its optimizer is up, waits for DIR/go (so that every peer is in the first round), then trains
+with ``step()`` and rewrites DIR/peer-I.json (one entry per sync record) after every sync, until the swarm's outer
+step reaches N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from functools import partial
+from pathlib import Path
+
+import hivemind
+import torch
+
+from p2ptrain import DiLoCoOptimizer
+from p2ptrain.averaging.allreduce import ExactAllReduceRunner
+from p2ptrain.faults import kill_this_peer
+
+LOCAL_STEPS = 3
+BATCH = 8
+
+
+def write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def answer_one_sender_then_die() -> None:
+    """Make this peer's reducer, in the round P2PTRAIN_FAULT names (the runner then has ``_die_after_parts`` set),
+    answer only the first sender whose stream asks for the average and die once that sender has closed its stream
+    (it had every answer it expected)."""
+    accumulate = ExactAllReduceRunner._accumulate_parts_streaming
+
+    async def split(self, stream, sender_index):
+        if self._die_after_parts is None:
+            async for message in accumulate(self, stream, sender_index):
+                yield message
+            return
+        if not hasattr(self, "_first_sender_done"):
+            self._first_sender_done, self._first_sender = asyncio.Event(), sender_index
+        try:
+            async for message in accumulate(self, stream, sender_index):
+                if sender_index != self._first_sender:
+                    await self._first_sender_done.wait()
+                    print("split fault: the first sender has its averages; dying before answering the others",
+                          flush=True)
+                    kill_this_peer()
+                yield message
+        finally:
+            if sender_index == self._first_sender:
+                self._first_sender_done.set()
+
+    ExactAllReduceRunner._accumulate_parts_streaming = split
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--outer-steps", type=int, required=True)
+    parser.add_argument("--initial-peers", nargs="*", default=[])
+    parser.add_argument("--split", action="store_true")
+    args = parser.parse_args()
+    if args.split:
+        answer_one_sender_then_die()
+    torch.set_num_threads(1)
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=args.initial_peers)
+    write_atomically(args.dir / f"maddrs-{args.index}", "\n".join(str(a) for a in dht.get_visible_maddrs()))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 768, bias=False)  # 3 x 2**18 values: 3 fp16 parts of 512 KiB, one per range
+    opt = DiLoCoOptimizer(model.parameters(), dht=dht, run_id="split", local_steps=LOCAL_STEPS,
+                          inner_optimizer=partial(torch.optim.AdamW, lr=1e-2),
+                          outer_optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
+                          compression="fp16", matchmaking_time_s=2.0, averaging_timeout_s=10.0, batch_size=BATCH,
+                          no_group_policy="wait")
+    try:
+        (args.dir / f"ready-{args.index}").touch()
+        while not (args.dir / "go").exists():
+            time.sleep(0.05)
+        gen = torch.Generator().manual_seed(100 + args.index)
+        target = torch.randn(1024, 768, generator=gen) / 32
+        while opt.outer_step < args.outer_steps:
+            x = torch.randn(BATCH, 1024, generator=gen)
+            torch.nn.functional.mse_loss(model(x), x @ target).backward()
+            synced = len(opt.history)
+            opt.step()
+            opt.zero_grad()
+            if len(opt.history) > synced:
+                records = [dict(outer_step=r.outer_step, averaged=r.averaged, group_size=r.group_size,
+                                caught_up=r.caught_up, repaired=r.repaired, attempts=r.attempts, digest=r.digest,
+                                finished_at=r.finished_at) for r in opt.history]
+                write_atomically(args.dir / f"peer-{args.index}.json", json.dumps(records))
+    finally:
+        opt.close()
+        dht.shutdown()
+
+
+if __name__ == "__main__":
+    main()
