@@ -88,7 +88,7 @@ def main() -> None:
                           inner_optimizer=partial(torch.optim.AdamW, lr=1e-2),
                           outer_optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
                           compression="fp16", matchmaking_time_s=2.0, averaging_timeout_s=10.0, batch_size=BATCH,
-                          no_group_policy="wait")
+                          no_group_policy="wait").start()
     try:
         (args.dir / f"ready-{args.index}").touch()
         while not (args.dir / "go").exists():
