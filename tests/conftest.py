@@ -99,3 +99,18 @@ def reap_children():
         names = ", ".join(f"{p.pid}" for p in alive)
         logging.getLogger(__name__).error(f"killed leftover child processes: {names}")
         pytest.fail(f"the test left {len(alive)} child process(es) running: {names}")
+
+
+@pytest.fixture(autouse=True)
+def restore_logging():
+    """Undo what a test's in-process CLI run did to the loggers (``cli.logs.setup_logging`` stops ``p2ptrain``,
+    ``hivemind`` and ``asyncio`` from propagating and gives them handlers): later tests' ``caplog`` would see
+    nothing (a test that passed alone failed after tests/unit/test_settings.py)."""
+    names = ("", "p2ptrain", "hivemind", "asyncio")
+    saved = {name: (lg.propagate, lg.level, list(lg.handlers)) for name in names
+             for lg in [logging.getLogger(name)]}
+    yield
+    for name, (propagate, level, handlers) in saved.items():
+        lg = logging.getLogger(name)
+        lg.propagate, lg.handlers = propagate, handlers
+        lg.setLevel(level)
