@@ -51,11 +51,9 @@ class DataShardTracker:
         """Continue this data shard where the swarm's training of it got to, if that is ahead of us: its previous
         owner left or died (or we resumed from an older checkpoint). Cursors from a later outer step than ours are
         from an earlier run under the same run id, and are ignored."""
-        state = self._take_cursor() if self.ranks.leader else None
-        if self.ranks.world > 1:
-            state = self.ranks.broadcast(state)
-            if state is not None and not self.ranks.leader:
-                self.batches.load_state_dict(state)
+        state = self.ranks.broadcast(self._take_cursor() if self.ranks.leader else None)
+        if state is not None and not self.ranks.leader:  # the leader's batches moved already
+            self.batches.load_state_dict(state)
 
     def _take_cursor(self) -> Optional[dict]:
         """Move ``batches`` to the data shard's published cursor if it applies; returns that position (a
@@ -98,9 +96,7 @@ class DataShardTracker:
         """``ShardedBatches.on_epoch_end``: a pass over the current data shard is complete; where to go on. Called on
         every rank at the same batch (the ranks iterate the same batches): the leader chooses and broadcasts."""
         self._seen[finished["shard_index"]] = finished
-        choice = self._choose(finished, conflict=False) if self.ranks.leader else None
-        if self.ranks.world > 1:
-            choice = self.ranks.broadcast(choice)
+        choice = self.ranks.broadcast(self._choose(finished, conflict=False) if self.ranks.leader else None)
         if choice is not None:
             self.batches.load_state_dict(choice)
             self.note(f"finished {finished['shard_index']}")
@@ -154,8 +150,7 @@ class DataShardTracker:
         batches = self.batches
         if not self.pinned:
             move = self._choose(batches.state_dict(), conflict=True) if self.ranks.leader else None
-            if self.ranks.world > 1:
-                move = self.ranks.broadcast(move)
+            move = self.ranks.broadcast(move)
             if move is not None:
                 batches.load_state_dict(move)
                 self.note("conflict")
