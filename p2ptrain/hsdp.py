@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, NoReturn, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,27 +36,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from p2ptrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from p2ptrain.checkpoint import latest_sharded_or_raise, load_checkpoint, point_latest_at, save_checkpoint
 from p2ptrain.config import ConfigError
 from p2ptrain.diloco import DiLoCoOptimizer
 
-
-@dataclass(frozen=True)
-class LocalRanks:
-    """This process's place in a multi-rank peer, from torchrun's environment (one rank when there is none)."""
-
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @classmethod
-    def from_env(cls) -> "LocalRanks":
-        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-                   int(os.environ.get("LOCAL_RANK", 0)))
-
-    @property
-    def leader(self) -> bool:
-        return self.rank == 0
+if TYPE_CHECKING:
+    from p2ptrain.ranks import LocalRanks
 
 
 def multi_rank_problem(train, nproc: int) -> str:
@@ -143,13 +126,6 @@ def broadcast_object(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank if it is True on any (e.g. one rank got the stop signal)."""
-    t = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -351,7 +327,7 @@ class ShardedDiLoCo:
         the leader adds its DiLoCo state (global parameters, outer momentum, counters) and then, after every rank
         finished, points ``<directory>/latest`` at it (atomically) and removes the previous one. A crash mid-write
         leaves ``latest`` on the previous, complete checkpoint. ``extra`` (the leader's) is stored beside the DiLoCo
-        state and read back by ``read_checkpoint_meta``. Call on every rank."""
+        state and read back by ``checkpoint.read_sharded_meta``. Call on every rank."""
         directory = Path(directory)
         target = directory / f"step-{self.outer_step}-{self.local_step}"
         model_state, optim_state = get_state_dict(model, self.inner)
@@ -363,12 +339,7 @@ class ShardedDiLoCo:
                                                    "ranks": dist.get_world_size()})
         dist.barrier()
         if self.is_leader:
-            previous = _latest(directory)
-            tmp = directory / f".latest.tmp-{os.getpid()}"
-            tmp.write_text(target.name)
-            os.replace(tmp, directory / "latest")
-            if previous is not None and previous != target:
-                shutil.rmtree(previous, ignore_errors=True)
+            point_latest_at(directory, target)
         dist.barrier()
         return target
 
@@ -376,7 +347,7 @@ class ShardedDiLoCo:
         """Load the checkpoint ``<directory>/latest`` points at, whatever number of ranks wrote it: the model's and
         the inner optimizer's shards into this peer's layout, the DiLoCo state into the leader. The model keeps
         the local progress it had at save time. Call on every rank."""
-        target = _latest_or_raise(directory)
+        target = latest_sharded_or_raise(directory)
         _load_shards(target, model, self.inner)
         if self.is_leader:
             self.diloco.load_state_dict(load_checkpoint(target / "diloco.pt")["diloco"])
@@ -421,22 +392,6 @@ class ShardedDiLoCo:
             self.diloco.close()
 
 
-def _latest(directory: Path) -> Optional[Path]:
-    """The checkpoint folder ``directory/latest`` names, or None."""
-    pointer = directory / "latest"
-    if not pointer.is_file():
-        return None
-    target = directory / pointer.read_text().strip()
-    return target if target.is_dir() else None
-
-
-def _latest_or_raise(directory: str | Path) -> Path:
-    target = _latest(Path(directory))
-    if target is None:
-        raise CheckpointError(f"no sharded checkpoint in {directory} (no 'latest' file); drop --resume to start fresh")
-    return target
-
-
 def _load_shards(target: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """The model's and the optimizer's state from ``target/shards`` into their current layout (any number of ranks,
     or none)."""
@@ -446,17 +401,9 @@ def _load_shards(target: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def read_checkpoint_meta(directory: str | Path) -> dict:
-    """What ``save_checkpoint(extra=...)`` stored with the latest sharded checkpoint in ``directory`` (plus "ranks"):
-    readable before any process group exists, to check a resume against the config."""
-    state = load_checkpoint(_latest_or_raise(directory) / "diloco.pt")
-    diloco = state.pop("diloco", {})
-    return {**state, "outer_step": diloco.get("outer_step"), "local_step": diloco.get("local_step")}
-
-
 def load_sharded_into_one_rank(directory: str | Path, model: torch.nn.Module, opt: DiLoCoOptimizer) -> None:
     """Load the latest sharded checkpoint in ``directory`` (written by any number of ranks) into a 1-rank peer's
     plain model, inner optimizer and DiLoCo state. Needs no process group."""
-    target = _latest_or_raise(directory)
+    target = latest_sharded_or_raise(directory)
     _load_shards(target, model, opt.inner_optimizer)
     opt.load_state_dict(load_checkpoint(target / "diloco.pt")["diloco"])  # its "inner" is None: loaded above

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
 import time
-import os
 from pathlib import Path
 from typing import Dict, List
 

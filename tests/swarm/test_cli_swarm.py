@@ -255,7 +255,8 @@ def test_second_signal_forces_exit_without_orphans(tmp_path):
     children = descendants(proc)
     assert any(c.name() == "p2pd" for c in children)
     proc.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
+    # the second signal must reach a worker that handled the first (it is leaving), not one still starting to
+    wait_for_log(log, "SIGTERM: finishing the current step and leaving cleanly", proc, timeout_s=30)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 130, log.read_text()
     assert_all_gone(children)

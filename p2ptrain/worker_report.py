@@ -1,0 +1,94 @@
+"""What one worker did: ``WorkerReport``, written as JSON by ``join --report`` (after start-up, after every round,
+at exit, so it can be watched) and collected by ``demo`` and ``bench``. Its keys are an interface: tests and the
+benchmark report read them."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from p2ptrain.data import ShardedBatches
+from p2ptrain.health import write_atomically
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerReport:
+    """What one worker did; written as JSON by ``join --report`` and collected by ``demo``."""
+
+    peer_id: str = ""
+    run_id: str = ""
+    model: str = ""
+    num_parameters: int = 0
+    shard_index: int = -1
+    """the data shard this peer is on (at exit: the one it ended on)"""
+    shard_history: List[Dict[str, Any]] = field(default_factory=list)
+    """each shard this peer trained on, in order: ``shard``, where it started in it (``epoch``, ``position``), the
+    ``outer_step`` and ``local_step`` then, and ``why`` (claimed, resumed, finished <shard>, conflict)"""
+    outer_steps: int = 0
+    syncs: int = 0
+    """outer steps committed during this peer's training loop (a catch-up that took the state counts as one):
+    what --max-outer-steps counts"""
+    local_steps: int = 0
+    initial_eval_loss: float = float("nan")
+    final_eval_loss: float = float("nan")
+    wall_s: float = 0.0
+    samples: int = 0
+    maddrs: List[str] = field(default_factory=list)
+    """addresses other peers can join through"""
+    state_download_s: Optional[float] = None
+    """seconds spent taking the swarm's state from live peers at start (None: not needed)"""
+    state_download: Optional[Dict[str, Any]] = None
+    """how that download went: bytes, chunks per donor, donors that failed part way"""
+    first_loss: Optional[float] = None
+    """training loss of this peer's first inner step (after any state download)"""
+    data_cursor: Optional[Dict[str, Any]] = None
+    """where this peer started in its shard, when it continued from another peer's published cursor"""
+    startup_s: Optional[float] = None
+    """seconds from start to the first inner step: joining the DHT, building the model, taking the state"""
+    compute_s: float = 0.0
+    """seconds in inner steps (forward, backward, inner optimizer step); syncs and evals not included"""
+    train_started_at: Optional[float] = None
+    """wall-clock time (time.time()) of the first inner step: start-up ends here"""
+    train_ended_at: Optional[float] = None
+    """wall-clock time when the training loop ended"""
+    stopped_by: str = ""
+    """"max_outer_steps", "until_outer_step" or "signal" """
+    reachability: str = ""
+    """public or client mode, and why (swarm/reachability.py)"""
+    start_outer_step: Optional[int] = None
+    """outer step of the state this peer started training from (after any checkpoint and state download)"""
+    rounds: List[Dict[str, Any]] = field(default_factory=list)
+    """one entry per sync: SyncRecord fields plus the eval loss right after it, the shard (``shard_index``) and
+    the position in it (``data_position``: epoch, sample), the cumulative ``compute_s`` at that point, and this
+    peer's libp2p connections then (``direct``, ``relayed``). A round joined with weight 0 while taking the swarm's
+    state at start is one too (``caught_up``)"""
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dict(self.__dict__)
+
+    def add_round(self, record, batches: ShardedBatches, eval_loss: float, eval_s: float = 0.0,
+                  connections: Optional[Dict[str, int]] = None) -> None:
+        """One entry of ``rounds`` for ``record`` (a ``SyncRecord``), with where this peer is in its data."""
+        entry = record.to_dict()
+        entry["shard_index"] = batches.shard_index
+        entry["data_position"] = [batches.epoch, batches.position]
+        entry["eval_loss"] = eval_loss
+        entry["eval_s"] = eval_s  # the held-out eval after the round: neither compute nor sync
+        entry["compute_s"] = self.compute_s  # cumulative, so any window of rounds has its compute time
+        if connections is not None:
+            entry["connections"] = connections
+        self.rounds.append(entry)
+
+    def write(self, path: str | Path) -> None:
+        """Write the report to ``path`` atomically: a reader never sees half of it."""
+        path = Path(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(path, json.dumps(self.to_dict(), indent=2))
+        except OSError as e:  # a report is not worth stopping training for
+            logger.error(f"[{self.peer_id}] could not write the report {path}: {e}")
