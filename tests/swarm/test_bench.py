@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from p2ptrain.bench.netns import leftover_namespaces, netns_problem
+from tests.helpers import exit_code
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300),
               pytest.mark.skipif(bool(netns_problem()), reason=netns_problem() or "")]
