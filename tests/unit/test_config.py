@@ -58,35 +58,6 @@ def test_missing_file(tmp_path):
         load_config(tmp_path / "nope.toml")
 
 
-def test_precedence_flag_over_env_over_file_over_default(tmp_path, monkeypatch):
-    """The CLI's own option table: file < P2PTRAIN_* variable < flag; untouched options keep the file's value."""
-    import click
-    from click.testing import CliRunner
-
-    from p2ptrain.cli import load_run_config, run_options
-
-    seen = {}
-
-    @click.command()
-    @run_options()
-    @click.option("--config", "config_path")
-    @click.pass_context
-    def probe(ctx, config_path, **params):
-        seen["config"] = load_run_config(ctx, config_path, params)
-
-    path = tmp_path / "run.toml"
-    path.write_text("[diloco]\nlocal_steps = 50\ninner_lr = 0.01\n[train]\nbatch_size = 4\nmodel = 'small'\n")
-    monkeypatch.setenv("P2PTRAIN_LOCAL_STEPS", "40")
-    monkeypatch.setenv("P2PTRAIN_BATCH_SIZE", "6")
-    result = CliRunner().invoke(probe, ["--config", str(path), "--local-steps", "30"])
-    assert result.exit_code == 0, result.output
-    config = seen["config"]
-    assert config.diloco.local_steps == 30  # flag beats variable and file
-    assert config.train.batch_size == 6  # variable beats file
-    assert config.diloco.inner_lr == 0.01 and config.train.model == "small"  # file beats default
-    assert config.diloco.outer_lr == 0.7  # default
-
-
 def test_every_codec_is_selectable_from_file_and_flag(tmp_path):
     """diloco.compression and --compression accept exactly the codecs of averaging/compression.py."""
     import click

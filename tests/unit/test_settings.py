@@ -154,3 +154,19 @@ def test_the_light_copy_of_the_reachability_modes_agrees():
     from p2ptrain.swarm.reachability import MODES
 
     assert tuple(REACHABILITY_MODES) == tuple(MODES)
+
+
+def test_precedence_flag_over_env_over_file_over_default(tmp_path, monkeypatch):
+    """file < P2PTRAIN_* variable < flag; untouched options keep the file's value."""
+    seen = {}
+    path = tmp_path / "run.toml"
+    path.write_text("[diloco]\nlocal_steps = 50\ninner_lr = 0.01\n[train]\nbatch_size = 4\nmodel = 'small'\n")
+    monkeypatch.setenv("P2PTRAIN_LOCAL_STEPS", "40")
+    monkeypatch.setenv("P2PTRAIN_BATCH_SIZE", "6")
+    result = CliRunner().invoke(probe_command(seen), ["--config", str(path), "--local-steps", "30"])
+    assert result.exit_code == 0, result.output
+    config = seen["config"]
+    assert config.diloco.local_steps == 30  # flag beats variable and file
+    assert config.train.batch_size == 6  # variable beats file
+    assert config.diloco.inner_lr == 0.01 and config.train.model == "small"  # file beats default
+    assert config.diloco.outer_lr == 0.7  # default
