@@ -341,7 +341,7 @@ def test_a_peer_with_another_model_or_settings_is_refused_at_join():
     second = hivemind.DHT(start=True, host_maddrs=[LOOPBACK], initial_peers=first.get_visible_maddrs())
     make = partial(DiLoCoOptimizer, run_id="settings", inner_optimizer=INNER, outer_optimizer=OUTER,
                    matchmaking_time_s=1.0, averaging_timeout_s=5.0)
-    live = make(make_model().parameters(), dht=first, local_steps=LOCAL_STEPS, compression="fp16")
+    live = make(make_model().parameters(), dht=first, local_steps=LOCAL_STEPS, compression="fp16").start()
     try:
         # a live peer is one whose record the newcomer can read (it is stored in the background at start)
         deadline = time.monotonic() + 30
@@ -349,7 +349,7 @@ def test_a_peer_with_another_model_or_settings_is_refused_at_join():
             time.sleep(0.2)
         other_model = torch.nn.Linear(16, 5)
         with pytest.raises(RunMismatch) as refused:
-            make(other_model.parameters(), dht=second, local_steps=LOCAL_STEPS + 2, compression="int8")
+            make(other_model.parameters(), dht=second, local_steps=LOCAL_STEPS + 2, compression="int8").start()
         message = str(refused.value)
         assert "run 'settings'" in message and "\n" not in message
         assert f"H (local_steps) {LOCAL_STEPS + 2} here, {LOCAL_STEPS} on 1 of 1 live peer;" in message
@@ -358,7 +358,7 @@ def test_a_peer_with_another_model_or_settings_is_refused_at_join():
         assert ("model without a built-in name (85 parameters, 2 tensors) here, without a built-in name (676 "
                 "parameters, 4 tensors) on 1 of 1 live peer") in message
         # the same model and settings are welcome
-        make(make_model().parameters(), dht=second, local_steps=LOCAL_STEPS, compression="fp16").close()
+        make(make_model().parameters(), dht=second, local_steps=LOCAL_STEPS, compression="fp16").start().shutdown()
     finally:
         live.close()
         second.shutdown()
