@@ -109,6 +109,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         self._round_expected = mp.Array(ctypes.c_char, MAX_PEER_LIST_BYTES)
         self._round_cap = mp.Value(ctypes.c_int64, 0)
         self._steered: Optional[SteeredMatchmaking] = None  # averager process: its matchmaking, steered per round
+        self._running_step = None  # averager process: the StepControl of the step in progress
         # base58 ids of the members that failed the last incomplete round, comma-separated (host reads them)
         self._failed_members = mp.Array(ctypes.c_char, MAX_PEER_LIST_BYTES)
         self._init_state_transfer()
@@ -244,7 +245,11 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         expected = _split_ids(self._round_expected.value)
         self._steered.plan(self._round_target.value or None, self._round_window_s.value, expected,
                            self._round_cap.value)
-        return await super()._step(**kwargs)
+        self._running_step = kwargs.get("step")
+        try:
+            return await super()._step(**kwargs)
+        finally:
+            self._running_step = None
 
     def start_in_background(self, timeout_s: float) -> None:
         """Start the averager process and wait until it serves requests. Safe to call from any thread."""
@@ -286,6 +291,12 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
             if isinstance(e, Exception):
                 logger.debug(f"All-reduce failed: {e!r}", exc_info=True)
             if isinstance(e, IncompleteRoundError):
+                # the step ends here: hivemind would look for a new group until the step's deadline (seconds), while
+                # the members that got every part commit and move on, or leave; the host decides at once instead
+                # (the survivors re-run the round, or this peer takes the committed state while its donors are there)
+                step = self._running_step
+                if step is not None and not step.done():
+                    step.set_exception(e)
                 raise
             raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
 

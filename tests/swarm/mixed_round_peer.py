@@ -6,7 +6,7 @@ The model is one tensor of three 512 KiB fp16 parts, so that in a group of three
 part. A reducer answers every sender of a part at once (they all wait on the same average), so
 ``P2PTRAIN_FAULT=kill-mid-allreduce@S:<n>`` alone gives either everyone or nobody its range. With ``--split`` this
 peer (the victim; the survivors run p2ptrain unchanged) withholds the average of the round that fault names from
-all senders but the first, waits until that first sender has taken it and closed its stream, and then dies as the
+all senders but the first, waits until that first sender has committed the round, and then dies as the
 fault does (SIGKILL of its whole tree): one survivor holds every range, the other lacks this one. The peer writes DIR/maddrs-I (its addresses),
 DIR/ready-I once its optimizer is up, waits for DIR/go (so that every peer is in the first round), then trains
 with ``step()`` and rewrites DIR/peer-I.json (one entry per sync record) after every sync, until the swarm's outer
@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import time
 from functools import partial
 from pathlib import Path
@@ -40,30 +41,40 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def answer_one_sender_then_die() -> None:
+def answer_one_sender_then_die(folder: Path, index: int) -> None:
     """Make this peer's reducer, in the round P2PTRAIN_FAULT names (the runner then has ``_die_after_parts`` set),
-    answer only the first sender whose stream asks for the average and die once that sender has closed its stream
-    (it had every answer it expected)."""
+    answer only the first sender whose stream asks for the average, and die once that sender has committed the round
+    (its DIR/peer-J.json shows the next outer step). Dying when the first sender's stream ended was too early: the
+    last answer could still be in this peer's p2pd, and then neither survivor had it (1 run in 3)."""
     accumulate = ExactAllReduceRunner._accumulate_parts_streaming
+    round_from = int(re.search(r"@(\d+)", os.environ["P2PTRAIN_FAULT"]).group(1))
+
+    def someone_committed() -> bool:
+        for path in folder.glob("peer-*.json"):
+            if path.name != f"peer-{index}.json":
+                try:
+                    if any(r["outer_step"] == round_from + 1 for r in json.loads(path.read_text())):
+                        return True
+                except (OSError, ValueError):
+                    pass
+        return False
 
     async def split(self, stream, sender_index):
         if self._die_after_parts is None:
             async for message in accumulate(self, stream, sender_index):
                 yield message
             return
-        if not hasattr(self, "_first_sender_done"):
-            self._first_sender_done, self._first_sender = asyncio.Event(), sender_index
-        try:
-            async for message in accumulate(self, stream, sender_index):
-                if sender_index != self._first_sender:
-                    await self._first_sender_done.wait()
-                    print("split fault: the first sender has its averages; dying before answering the others",
-                          flush=True)
-                    kill_this_peer()
-                yield message
-        finally:
-            if sender_index == self._first_sender:
-                self._first_sender_done.set()
+        if not hasattr(self, "_first_sender"):
+            self._first_sender = sender_index
+        async for message in accumulate(self, stream, sender_index):
+            if sender_index != self._first_sender:
+                deadline = time.monotonic() + 30
+                while not someone_committed() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                print("split fault: the first sender has its averages; dying before answering the others",
+                      flush=True)
+                kill_this_peer()
+            yield message
 
     ExactAllReduceRunner._accumulate_parts_streaming = split
 
@@ -77,7 +88,7 @@ def main() -> None:
     parser.add_argument("--split", action="store_true")
     args = parser.parse_args()
     if args.split:
-        answer_one_sender_then_die()
+        answer_one_sender_then_die(args.dir, args.index)
     torch.set_num_threads(1)
 
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=args.initial_peers)

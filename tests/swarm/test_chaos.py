@@ -266,7 +266,7 @@ def split_records(tmp_path: Path, i: int) -> List[dict]:
     return json.loads(path.read_text()) if path.exists() else []
 
 
-@pytest.mark.slow  # about 60 s on 2 cores: `make test-slow` (CI runs it)
+@pytest.mark.slow  # about 15 s on 2 cores: `make test-slow` (CI runs it)
 def test_a_round_some_survivors_committed_and_others_lost_ends_on_one_state(tmp_path):
     """Three peers whose all-reduce ranges are one part each (tests/swarm/mixed_round_peer.py); peer 2 dies (SIGKILL,
     whole tree) in the round from outer step 2 after the first of its two senders took its average and before the
@@ -316,6 +316,11 @@ def test_a_round_some_survivors_committed_and_others_lost_ends_on_one_state(tmp_
     assert len(committed) == 1, f"the kill did not split the survivors (one committed, one lost the round): {first}"
     other = 1 - committed[0]
     assert first[other]["caught_up"], f"the survivor that lost the round did not take the committed state: {first}"
+    # ... deciding at once: its averager does not look for another group until the step's deadline (hivemind's
+    # retry) while the committed peer trains on (before: the state taken 8.3 s after the commit; now about 4.4 s)
+    assert "caught IncompleteRoundError" not in log(other), log(other)[-3000:]
+    lag = first[other]["finished_at"] - first[committed[0]]["finished_at"]
+    print(f"the survivor that lost the round took the state {lag:.1f}s after the other committed it")
     # ... and ended on one state: the same digest for every outer step on every peer that holds one
     digests: Dict[int, set] = {}
     for peer in records.values():
