@@ -16,18 +16,18 @@ from hivemind import DHT
 from p2ptrain.averaging import PseudoGradientAverager, RoundResult
 from p2ptrain.averaging.averager import PROTOCOL_VERSION
 from p2ptrain.averaging.compression import COMPRESSIONS, ERROR_FEEDBACK_BY_DEFAULT
-from p2ptrain.diloco.records import NO_GROUP_POLICIES, Outcome, RoundOutcome, SyncRecord, _digest_of
+from p2ptrain.diloco.records import NO_GROUP_POLICIES, Outcome, RoundOutcome, SyncRecord, Throughput, _digest_of
 from p2ptrain.diloco.rounds import Position, Rounds, RoundSettings
 from p2ptrain.diloco.state import StateSharingMixin, _SnapshotRequest
 from p2ptrain.finite import all_finite
 from p2ptrain.outer import add_error_feedback_, outer_step_, pseudo_gradient_
-from p2ptrain.swarm.progress import ProgressPublisher, RunMismatch, check_run_settings, fetch_progress
+from p2ptrain.diloco.membership import Membership
+from p2ptrain.swarm.progress import ProgressPublisher
 
 logger = logging.getLogger(__package__)  # one logger name for the whole optimizer, as users grep for it
 
-LEAVE_WAIT_S = 10.0
 FORCED_STORE_WAIT_S = 2.0
-"""a peer that leaves right after a round waits at most this long for the other members to commit it (close)"""
+"""how long a forced progress record (our first, a sync point, a commit) is waited for before the peer goes on"""
 
 
 class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
@@ -96,18 +96,9 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         max_norm_ratio: Optional[float] = 10.0,
         catch_up_mid_phase: bool = True,
     ):
-        if local_steps < 1:
-            raise ValueError(f"local_steps must be at least 1, got {local_steps}")
-        if no_group_policy not in NO_GROUP_POLICIES:
-            raise ValueError(f"no_group_policy must be one of {NO_GROUP_POLICIES}, got {no_group_policy!r}")
-        if matchmaking_time_s <= 0 or averaging_timeout_s <= 0:
-            raise ValueError("matchmaking_time_s and averaging_timeout_s must be positive")
-        if late_peer_wait_s is not None and late_peer_wait_s < 0:
-            raise ValueError(f"late_peer_wait_s must be at least 0, got {late_peer_wait_s}")
-        if min_group_size < 1:
-            raise ValueError(f"min_group_size must be at least 1, got {min_group_size}")
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"unknown compression {compression!r}; use one of: {', '.join(COMPRESSIONS)}")
+        _check_arguments(local_steps=local_steps, no_group_policy=no_group_policy,
+                         matchmaking_time_s=matchmaking_time_s, averaging_timeout_s=averaging_timeout_s,
+                         late_peer_wait_s=late_peer_wait_s, min_group_size=min_group_size, compression=compression)
 
         self.inner_optimizer = inner_optimizer(params)
         # share the inner optimizer's groups and state: schedulers, grad clipping and zero_grad see the real thing
@@ -140,7 +131,6 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         self._steps_since_sync = 0  # inner steps in this peer's pseudo-gradient (the norm check's scale)
         self.history: List[SyncRecord] = []
         self._last_group: set = set()  # the other members of our last round that averaged (base58 ids)
-        self._closed = threading.Event()
         self._interrupted = threading.Event()  # set: stop looking for peers (the peer is leaving)
         self._sync_lock = threading.Lock()
         # guards what a newcomer downloads (global params, outer and inner state, counters) against the training
@@ -181,29 +171,19 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         """how long serving the last snapshot to newcomers held up this peer's training (the state lock)"""
         self.last_download: Optional[dict] = None
         """how the last state download went: seconds, bytes, chunks per donor, donors that failed"""
-        self._averager_start_timeout_s = averager_start_timeout_s
-        self._own_progress = progress is None  # a caller's publisher (a shard claim) is the caller's to withdraw
-        # (with what the caller knows beyond the tensors: a Worker sets the model's name, shape and seed in progress)
-        settings = {**(progress.settings if progress is not None else {}), **self.run_settings()}
-        self.progress = progress or ProgressPublisher(dht, run_id, period_s=progress_period_s)
-        self.progress.client_mode = self.averager.client_mode
-        reachability = getattr(dht, "reachability", None)  # how start_dht chose the mode (swarm/reachability.py)
-        self.progress.reachability = str(reachability) if getattr(reachability, "reason", "") else (
-            "client" if self.averager.client_mode else "public")
-        self.progress.settings = settings
-        self._throughput_since = time.monotonic()
-        self._throughput_samples = 0
-        self.samples_per_s = 0.0
+        self.throughput = Throughput()
         self.catch_up_mid_phase = catch_up_mid_phase
         self._no_donor_at_outer_step = -1  # a mid-phase catch-up found no donor at this outer step: wait for the sync
-        self.progress.watch_swarm = catch_up_mid_phase
+        self.membership = Membership(dht, run_id, self.averager, progress, progress_period_s=progress_period_s,
+                                     settings=self.run_settings(), watch_swarm=catch_up_mid_phase,
+                                     averager_start_timeout_s=averager_start_timeout_s,
+                                     publish_first=lambda: self._publish_progress(force=True), tag=self._tag)
+        self.progress = self.membership.progress
         self.rounds = Rounds(self.averager, dht, run_id, self.progress, RoundSettings(
             no_group_policy=no_group_policy, matchmaking_time_s=matchmaking_time_s,
             averaging_timeout_s=averaging_timeout_s, late_peer_wait_s=late_peer_wait_s, min_group_size=min_group_size,
             target_group_size=target_group_size, request_timeout_s=self._request_timeout_s,
         ), self._interrupted, self._tag)
-        self._started = False
-        self._lifecycle_lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------------------ its life
 
@@ -211,42 +191,7 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         """Join the run: check this peer's settings against the live peers', start the averager process, publish
         this peer's progress record and keep it fresh. Returns ``self``; a second call does nothing. If it fails,
         whatever it had started is stopped again (``shutdown()`` stays safe to call)."""
-        with self._lifecycle_lock:
-            if self._closed.is_set():
-                raise RuntimeError("this DiLoCoOptimizer was shut down; build a new one to join the run again")
-            if self._started:
-                return self
-            if not hasattr(self.dht, "auth"):
-                logger.warning("this DHT was not started by p2ptrain.swarm.dht.start_dht: its records are not signed, "
-                               "so peers started by p2ptrain (the CLI, start_dht) ignore them; it averages only with "
-                               "peers that also use a plain hivemind.DHT")
-            published = False
-            try:
-                # a peer with another model or settings would never group with the run's peers (the schema hash
-                # differs) and would wait, or train alone, in silence: refuse it now, naming the difference
-                try:
-                    check_run_settings(self.progress.settings, fetch_progress(self.dht, self.run_id, timeout_s=5.0),
-                                       self.run_id)
-                except RunMismatch:
-                    if not self._own_progress:  # a shard claim published it: leave the listing (and the rounds)
-                        self.progress.withdraw()
-                    raise
-                try:
-                    self.averager.start_in_background(timeout_s=self._averager_start_timeout_s)
-                except Exception as e:
-                    if "already set" in str(e):
-                        raise ValueError(
-                            f"another DiLoCoOptimizer of run {self.run_id!r} already uses this DHT; give each "
-                            "optimizer its own hivemind.DHT (or its own run_id)"
-                        ) from None
-                    raise
-                published = True  # from here on, a failure must withdraw the record it may have stored
-                self._publish_progress(force=True)
-                self.progress.start_heartbeat()
-            except BaseException:
-                self._stop_started_parts(withdraw=published)
-                raise
-            self._started = True
+        self.membership.join()
         return self
 
     def __enter__(self) -> "DiLoCoOptimizer":
@@ -256,7 +201,7 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         self.shutdown()
 
     def _require_started(self) -> None:
-        if not self._started:
+        if not self.membership.started:
             raise RuntimeError("DiLoCoOptimizer.start() was not called: call it (or use `with DiLoCoOptimizer(...) "
                                "as opt:`) before the first step()")
 
@@ -272,7 +217,7 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         samples = batch_size if batch_size is not None else (self.batch_size or 1)
         self.samples_since_sync += samples
         self._steps_since_sync += 1
-        self._throughput_samples += samples
+        self.throughput.samples += samples
         if self.local_step % self.local_steps == 0:
             self.sync()
         elif (self.catch_up_mid_phase and self.progress.swarm_outer_step > self.outer_step
@@ -326,7 +271,7 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
     @torch.no_grad()
     def _sync(self) -> SyncRecord:
         started = time.perf_counter()
-        self._update_throughput()
+        self.throughput.update()
         # tell the others we are at the sync point now, not at the next periodic refresh: a round waits for the
         # live peers that have not got there yet (_plan_round), and would wait for us too
         self._publish_progress(force=True)
@@ -404,48 +349,19 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         repaired = result is not None and self._repair_if_diverged(result)
         return self._record(started, result, attempts, repaired=repaired, **flags)
 
-    def _record(
-        self,
-        started: float,
-        result: Optional[RoundResult],
-        attempts: int,
-        caught_up: bool = False,
-        repaired: bool = False,
-        abandoned: bool = False,
-    ) -> SyncRecord:
-        record = SyncRecord(
-            outer_step=self.outer_step,
-            averaged=result is not None,
-            group_size=result.group_size if result else 1,
-            seconds=time.perf_counter() - started,
-            bytes_sent=result.bytes_sent if result else 0,
-            bytes_received=result.bytes_received if result else 0,
-            samples=self.samples_since_sync,
-            failed_fraction=result.failed_fraction if result else 0.0,
-            attempts=attempts,
-            group_outer_steps=sorted(m.get("outer_step", -1) for m in result.gathered.values()) if result else [],
-            caught_up=caught_up,
-            repaired=repaired,
-            abandoned=abandoned,
-            digest=self._digest,
-            finished_at=time.time(),
-            allreduce_s=result.allreduce_s if result else 0.0,
-        )
+    def _record(self, started: float, result: Optional[RoundResult], attempts: int, **flags) -> SyncRecord:
+        """Close the sync: its record in ``history`` (and the log), the next phase's counters, a fresh progress
+        record. ``flags``: ``caught_up``, ``repaired``, ``abandoned`` (see ``SyncRecord``)."""
+        record = SyncRecord.of(result, outer_step=self.outer_step, seconds=time.perf_counter() - started,
+                               samples=self.samples_since_sync, attempts=attempts, digest=self._digest, **flags)
+        record.log(logger, self._tag())
         self.history.append(record)
         me = self.dht.peer_id.to_base58()
         self._last_group = {peer for peer in result.gathered if peer != me} if result else set()
         self._phase_started = time.monotonic()
-        if not abandoned:  # an abandoned round's samples are still in the model, to be synced later
+        if not record.abandoned:  # an abandoned round's samples are still in the model, to be synced later
             self.samples_since_sync = 0
             self._steps_since_sync = 0
-        if result and result.failed_fraction > 0:
-            logger.warning(f"{self._tag()} {result.failed_fraction:.1%} of the vector was not averaged (peer failure)")
-        if result and len(set(record.group_outer_steps)) > 1:
-            logger.warning(f"{self._tag()} group members were at different outer steps {record.group_outer_steps}")
-        logger.info(
-            f"{self._tag()} sync: group_size={record.group_size} seconds={record.seconds:.2f} "
-            f"sent={record.bytes_sent}B received={record.bytes_received}B"
-        )
         self._publish_progress(force=True)
         return record
 
@@ -482,16 +398,12 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
                     num_tensors=len(self.global_params), local_steps=self.local_steps,
                     compression=self.averager.compression_name, protocol=PROTOCOL_VERSION)
 
-    # ------------------------------------------------------------------------------------------ state transfer
-
     # ------------------------------------------------------------------------------------------- housekeeping
 
-    def _update_throughput(self) -> None:
-        now = time.monotonic()
-        elapsed = now - self._throughput_since
-        if elapsed > 0 and self._throughput_samples:
-            self.samples_per_s = self._throughput_samples / elapsed
-        self._throughput_since, self._throughput_samples = now, 0
+    @property
+    def samples_per_s(self) -> float:
+        """Inner-step samples per second over the last stretch between two syncs (or progress refreshes)."""
+        return self.throughput.per_s
 
     def _publish_progress(self, force: bool = False) -> None:
         """A periodic refresh in the background; a forced one (our first record, a sync point, a commit) is waited
@@ -499,7 +411,7 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         read before a slow one's record was stored, found itself alone and stepped alone, in CI)."""
         if force or self.progress.due():
             if not force:
-                self._update_throughput()
+                self.throughput.update()
             self.progress.publish(
                 outer_step=self.outer_step,
                 local_step=self.local_step,
@@ -520,46 +432,25 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         """Leave the run: stop looking for peers, let the last round's members commit it (bounded), withdraw this
         peer's progress record and stop the averager process. The DHT belongs to the caller and stays up. Safe to
         call twice, before ``start()`` and after a failed one."""
-        with self._lifecycle_lock:
-            if self._closed.is_set():
-                return
-            self._closed.set()
-        self.interrupt()
-        if not self._started:
-            return
-        # a sync in flight stops retrying once interrupted; let its current attempt finish (bounded)
+        # a sync in flight stops retrying once interrupted; its current attempt may finish (bounded)
         attempt_s = self.matchmaking_time_s + self._request_timeout_s + self.averaging_timeout_s + 15.0
-        acquired = self._sync_lock.acquire(timeout=attempt_s)
-        try:
-            self._wait_for_last_group(LEAVE_WAIT_S)
-            self._stop_started_parts(withdraw=True)
-        finally:
-            if acquired:
-                self._sync_lock.release()
+        self.membership.leave(self.interrupt, self._sync_lock, attempt_s,
+                              last_round=lambda: (self._last_group, self.outer_step))
 
     close = shutdown
 
-    def _stop_started_parts(self, withdraw: bool) -> None:
-        """Withdraw the progress record (which stops its heartbeat) and stop the averager process if it runs."""
-        if withdraw:
-            self.progress.withdraw()
-        if self.averager.is_alive():
-            self.averager.shutdown()
 
-    def _wait_for_last_group(self, timeout_s: float) -> None:
-        """Before leaving: wait (bounded) until the other members of our last round have committed it too. Our
-        part of that all-reduce may still be on its way to a slower member when we have our own result (a peer that
-        ends the run at an absolute outer step leaves at once); stopping the p2p daemon then would cut it off, and
-        a member whose round failed could no longer take the state from us."""
-        members = self._last_group
-        deadline = time.monotonic() + timeout_s
-        while members and self.averager.is_alive():
-            behind = sorted(r.peer_id[-8:] for r in fetch_progress(self.dht, self.run_id, timeout_s=2.0)
-                            if r.peer_id in members and r.outer_step < self.outer_step)
-            if not behind:
-                return
-            if time.monotonic() > deadline:
-                logger.warning(f"{self._tag()} leaving although member(s) {behind} of the last round have not "
-                               f"committed it after {timeout_s:.0f}s")
-                return
-            time.sleep(0.2)
+def _check_arguments(*, local_steps: int, no_group_policy: str, matchmaking_time_s: float, averaging_timeout_s: float,
+                     late_peer_wait_s: Optional[float], min_group_size: int, compression: str) -> None:
+    if local_steps < 1:
+        raise ValueError(f"local_steps must be at least 1, got {local_steps}")
+    if no_group_policy not in NO_GROUP_POLICIES:
+        raise ValueError(f"no_group_policy must be one of {NO_GROUP_POLICIES}, got {no_group_policy!r}")
+    if matchmaking_time_s <= 0 or averaging_timeout_s <= 0:
+        raise ValueError("matchmaking_time_s and averaging_timeout_s must be positive")
+    if late_peer_wait_s is not None and late_peer_wait_s < 0:
+        raise ValueError(f"late_peer_wait_s must be at least 0, got {late_peer_wait_s}")
+    if min_group_size < 1:
+        raise ValueError(f"min_group_size must be at least 1, got {min_group_size}")
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"unknown compression {compression!r}; use one of: {', '.join(COMPRESSIONS)}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional
 
@@ -83,6 +85,26 @@ class SyncRecord:
     """seconds of the all-reduce that was applied, from the group's forming; the rest of ``seconds`` is
     matchmaking (and earlier attempts), the outer step and the digest"""
 
+    @classmethod
+    def of(cls, result: Optional[RoundResult], **fields) -> "SyncRecord":
+        """The record of a sync that applied ``result`` (None: nothing averaged), with the peer's own ``fields``."""
+        if result is None:
+            return cls(averaged=False, group_size=1, finished_at=time.time(), **fields)
+        return cls(
+            averaged=True, group_size=result.group_size, bytes_sent=result.bytes_sent,
+            bytes_received=result.bytes_received, failed_fraction=result.failed_fraction,
+            group_outer_steps=sorted(m.get("outer_step", -1) for m in result.gathered.values()),
+            finished_at=time.time(), allreduce_s=result.allreduce_s, **fields,
+        )
+
+    def log(self, logger: logging.Logger, tag: str) -> None:
+        if self.failed_fraction > 0:
+            logger.warning(f"{tag} {self.failed_fraction:.1%} of the vector was not averaged (peer failure)")
+        if len(set(self.group_outer_steps)) > 1:
+            logger.warning(f"{tag} group members were at different outer steps {self.group_outer_steps}")
+        logger.info(f"{tag} sync: group_size={self.group_size} seconds={self.seconds:.2f} "
+                    f"sent={self.bytes_sent}B received={self.bytes_received}B")
+
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
@@ -95,3 +117,17 @@ def _digest_of(tensors: Iterable[torch.Tensor]) -> str:
         digest.update(t.detach().contiguous().numpy())
     return digest.hexdigest()[:32]
 
+
+
+class Throughput:
+    """Samples per second between two looks: ``samples`` is added to as the peer trains, ``update()`` closes the
+    stretch (at a sync, or a progress refresh)."""
+
+    def __init__(self):
+        self.since, self.samples, self.per_s = time.monotonic(), 0, 0.0
+
+    def update(self) -> None:
+        now = time.monotonic()
+        if now > self.since and self.samples:
+            self.per_s = self.samples / (now - self.since)
+        self.since, self.samples = now, 0

@@ -45,7 +45,7 @@ class StateSharingMixin:
             logger.warning(f"{self._tag()} the swarm is at outer step {swarm_outer_step}: discarding this peer's "
                            f"{self._steps_since_sync} inner step(s) since its last sync now rather than at its sync "
                            "point, and taking the state from live peers")
-            self._update_throughput()
+            self.throughput.update()
             if self._catch_up_and_join(started, attempts=0) is None:
                 self._no_donor_at_outer_step = self.outer_step  # no donor answered: try again at the sync point
 

@@ -182,9 +182,9 @@ def test_a_leaving_peer_waits_until_the_other_members_of_its_last_round_have_com
     """A peer's own result of a round can be complete while its averages are still on their way to a slower member;
     leaving at once (as a worker does at --until-outer-step) stopped its p2p daemon under them. close() waits until
     the members' records show the round committed, and no longer than LEAVE_WAIT_S."""
-    from p2ptrain.diloco import optimizer as diloco_optimizer
+    from p2ptrain.diloco import membership
 
-    monkeypatch.setattr(diloco_optimizer, "LEAVE_WAIT_S", 4.0)
+    monkeypatch.setattr(membership, "LEAVE_WAIT_S", 4.0)
     nodes = dhts(3)
     peers = [optimizer(node, "leave", matchmaking_time_s=1.0) for node in nodes]
     (model_a, a), (model_b, b), (model_c, c) = peers
