@@ -1,5 +1,5 @@
-"""Fixtures shared by every test: a reaper for the processes a test leaves behind, and a check that the suite
-leaves no files in the working tree."""
+"""Fixtures shared by every test: a reaper for the processes a test leaves behind, a check that the suite leaves no
+files in the working tree, and each test file's seconds at the end of a run (where the suite's time goes)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import ctypes
 import logging
 import os
 import subprocess
+from collections import defaultdict
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import psutil
 import pytest
@@ -64,6 +65,23 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             print(line)
     if session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_seconds_per_file: Dict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _seconds_per_file[report.nodeid.split("::", 1)[0]] += report.duration  # setup, call and teardown
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Each test file's seconds, slowest first: the default suite must stay under 10 minutes on 2 cores."""
+    if not _seconds_per_file:
+        return
+    terminalreporter.section("seconds per test file")
+    for path, seconds in sorted(_seconds_per_file.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+    terminalreporter.write_line(f"{sum(_seconds_per_file.values()):8.1f}  in all")
 
 
 def _is_torch_helper(proc: psutil.Process) -> bool:
