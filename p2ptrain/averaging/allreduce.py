@@ -41,7 +41,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
-from p2ptrain.averaging.hivemind_compat import own_input_part, own_input_part_shapes
+from p2ptrain.hivemind_compat import own_input_part, own_input_part_shapes
 from p2ptrain.averaging.compression import WireCodec, WireFormatError
 from p2ptrain.faults import kill_this_peer
 from p2ptrain.finite import all_finite

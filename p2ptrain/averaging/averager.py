@@ -26,7 +26,7 @@ from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
 from p2ptrain.averaging.allreduce import ExactAllReduceRunner
 from p2ptrain.averaging.compression import WireCodec, get_compression
-from p2ptrain.averaging.hivemind_compat import (SteeredMatchmaking, check_hivemind, matchmaking_of, p2p_of,
+from p2ptrain.hivemind_compat import (SteeredMatchmaking, check_hivemind, matchmaking_of, p2p_of,
                                                  register_runner)
 from p2ptrain.averaging.state_transfer import StateTransferMixin
 from p2ptrain.finite import all_finite

@@ -41,7 +41,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_logger
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-from p2ptrain.averaging.hivemind_compat import (current_state_from_host, group_key_prefix, p2p_of,
+from p2ptrain.hivemind_compat import (current_state_from_host, group_key_prefix, p2p_of,
                                                  send_to_averager_process)
 from p2ptrain.faults import fault_from_env, kill_this_peer
 from p2ptrain.proto import p2ptrain_pb2

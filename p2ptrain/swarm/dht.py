@@ -14,9 +14,9 @@ from typing import Iterable, List, Optional, Sequence
 
 import hivemind
 from hivemind.p2p import P2P, P2PDaemonError
-from hivemind.utils.multiaddr import Multiaddr
 
-from p2ptrain.config import SwarmConfig  # noqa: F401 (it lived here; importers may still use this path)
+from p2ptrain.config import SwarmConfig, check_maddrs  # noqa: F401 (SwarmConfig lived here; importers use this path)
+from p2ptrain.hivemind_compat import check_hivemind, p2p_socket_maddrs
 from p2ptrain.lifeline import follow_parent, leave_process_group, on_forced_exit
 from p2ptrain.swarm.admission import SwarmRefused, check_admission, serve_admission
 from p2ptrain.swarm.reachability import MODES, Reachability, SwarmUnreachable, decide, serve_probes
@@ -55,21 +55,6 @@ def read_maddrs_file(path: str, timeout_s: float, poll_s: float = 0.5) -> List[s
     except ValueError as e:
         raise SwarmError(str(e)) from None
     return maddrs
-
-
-def check_maddrs(maddrs: Sequence[str], option: str, *, need_peer_id: bool = False) -> None:
-    """Raise ValueError naming ``option`` for an address that is not a multiaddr (or lacks /p2p/<id>)."""
-    for maddr in maddrs:
-        try:
-            parsed = Multiaddr(maddr)
-        except Exception:
-            raise ValueError(
-                f"{option}: {maddr!r} is not a multiaddr; write it like /ip4/203.0.113.7/tcp/31337/p2p/Qm..."
-            ) from None
-        if need_peer_id and "p2p" not in [proto.name for proto in parsed.protocols()]:
-            raise ValueError(
-                f"{option}: {maddr!r} has no /p2p/<peer id> part; copy the full address the peer printed at start"
-            )
 
 
 class FollowingDHT(hivemind.DHT):
@@ -121,8 +106,6 @@ _replicas_seen: dict = {}
 def p2p_socket_paths(p2p: P2P) -> List[str]:
     """The unix socket files a hivemind P2P made in /tmp (hivemind-p2pclient-*.sock: its client's listen socket,
     made with the first handler; hivemind-p2pd-*.sock: the daemon's control socket, if this P2P started p2pd)."""
-    from p2ptrain.averaging.hivemind_compat import p2p_socket_maddrs
-
     paths = []
     for maddr in p2p_socket_maddrs(p2p):
         with suppress(KeyError, TypeError, ValueError):
@@ -145,8 +128,6 @@ def start_dht(config: SwarmConfig) -> hivemind.DHT:
 
     Bounded: an initial peer that does not answer makes this fail after ``bootstrap_timeout_s``, never hang.
     """
-    from p2ptrain.averaging.hivemind_compat import check_hivemind  # here: p2ptrain.averaging imports this module's kin
-
     try:
         check_hivemind()
     except RuntimeError as e:

@@ -1,4 +1,4 @@
-"""Every private part of hivemind that p2ptrain relies on (p2ptrain/averaging/hivemind_compat.py) is there in the
+"""Every private part of hivemind that p2ptrain relies on (p2ptrain/hivemind_compat.py) is there in the
 installed hivemind, with the parameters p2ptrain calls it with; and the list is complete for p2ptrain's subclasses."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import inspect
 
 import pytest
 
-from p2ptrain.averaging import hivemind_compat
-from p2ptrain.averaging.hivemind_compat import TOUCH_POINTS, TouchPoint, check_hivemind, missing_touch_points
+from p2ptrain import hivemind_compat
+from p2ptrain.hivemind_compat import TOUCH_POINTS, TouchPoint, check_hivemind, missing_touch_points
 
 
 @pytest.mark.parametrize("point", TOUCH_POINTS, ids=lambda p: f"{p.owner.rsplit('.', 1)[1]}.{p.name}")
@@ -54,3 +54,37 @@ def test_every_hivemind_method_p2ptrain_overrides_is_listed():
                     if (owner.__name__, name) not in listed:
                         unlisted.append(f"{cls.__name__}.{name} overrides {owner.__name__}.{name}")
     assert not unlisted, unlisted
+
+
+STANDALONE_PARSE = """
+import sys
+from p2ptrain.hivemind_compat import multiaddr_class
+multiaddr = multiaddr_class()
+parsed = multiaddr(sys.argv[1])
+print([p.name for p in parsed.protocols()], str(parsed), "torch" in sys.modules, "hivemind" in sys.modules)
+"""
+
+
+def test_the_standalone_multiaddr_parses_as_hivemind_does_without_loading_hivemind():
+    """The config checks addresses with hivemind's own vendored parser, loaded without hivemind (and torch)."""
+    import subprocess
+    import sys
+
+    from hivemind.utils.multiaddr import Multiaddr
+
+    maddr = "/ip4/203.0.113.7/tcp/31337/p2p/QmSXUVsMGJFQBswMvF8D8Fmqy9QgjPzgfoqk3FUZv6ginu"
+    out = subprocess.run([sys.executable, "-c", STANDALONE_PARSE, maddr], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    expected = Multiaddr(maddr)
+    assert out.stdout.strip() == f"{[p.name for p in expected.protocols()]} {expected} False False"
+    bad = subprocess.run([sys.executable, "-c", STANDALONE_PARSE, "bootstrap.example.org:4001"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode != 0 and "StringParseError" in bad.stderr
+    assert multiaddr_class_in_this_process_is_hiveminds()
+
+
+def multiaddr_class_in_this_process_is_hiveminds() -> bool:
+    """Once hivemind is imported, the parser is its own class (one Multiaddr type in a process that has both)."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    return hivemind_compat.multiaddr_class() is Multiaddr

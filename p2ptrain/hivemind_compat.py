@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, List, Optional, Tuple
 
@@ -241,3 +243,28 @@ def own_input_part(container: Any, peer_index: int, part_index: int) -> Any:
 
 def own_input_part_shapes(container: Any) -> List[List[Any]]:
     return [[part.shape for part, _ in parts] for parts in container._input_parts_by_peer]
+
+
+_STANDALONE_MULTIADDR = "_p2ptrain_hivemind_multiaddr"
+
+
+def multiaddr_class() -> type:
+    """hivemind's ``Multiaddr`` (its vendored py-multiaddr, ``hivemind/utils/multiaddr/``). Where hivemind is not
+    imported yet, the vendored package is loaded on its own, without ``hivemind/__init__`` (which loads torch: 3 s
+    before a wrong --initial-peers could be reported). It imports only itself and small libraries (base58, cid,
+    netaddr, idna, varint), so it parses exactly as hivemind does."""
+    if "hivemind.utils.multiaddr" in sys.modules:
+        return sys.modules["hivemind.utils.multiaddr"].Multiaddr
+    if _STANDALONE_MULTIADDR not in sys.modules:
+        origin = importlib.util.find_spec("hivemind").origin  # finds the package without running its __init__
+        init = origin.rsplit("/", 1)[0] + "/utils/multiaddr/__init__.py"
+        spec = importlib.util.spec_from_file_location(_STANDALONE_MULTIADDR, init,
+                                                      submodule_search_locations=[init.rsplit("/", 1)[0]])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[_STANDALONE_MULTIADDR] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[_STANDALONE_MULTIADDR]
+            raise
+    return sys.modules[_STANDALONE_MULTIADDR].Multiaddr
