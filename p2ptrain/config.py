@@ -50,6 +50,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from p2ptrain.hivemind_compat import multiaddr_class  # light: hivemind's address parser without hivemind itself
+from p2ptrain.model_config import MODEL_SIZES  # light: the built-in shapes, without torch
+
 
 def setting(default: Any = MISSING, *, factory: Any = MISSING, flag: Optional[str] = None,
             at_least: Optional[float] = None, above: Optional[float] = None, below: Optional[float] = None,
@@ -387,6 +390,22 @@ def _coerce_one(s: Setting, item: Any, value: Any, source: str) -> Any:
     return item
 
 
+def check_maddrs(maddrs: Sequence[str], option: str, *, need_peer_id: bool = False) -> None:
+    """Raise ValueError naming ``option`` for an address that is not a multiaddr (or lacks /p2p/<id>)."""
+    multiaddr = multiaddr_class()
+    for maddr in maddrs:
+        try:
+            parsed = multiaddr(maddr)
+        except Exception:
+            raise ValueError(
+                f"{option}: {maddr!r} is not a multiaddr; write it like /ip4/203.0.113.7/tcp/31337/p2p/Qm..."
+            ) from None
+        if need_peer_id and "p2p" not in [proto.name for proto in parsed.protocols()]:
+            raise ValueError(
+                f"{option}: {maddr!r} has no /p2p/<peer id> part; copy the full address the peer printed at start"
+            )
+
+
 def validate(config: RunConfig) -> None:
     """Raise ConfigError for values that cannot work, naming the setting and the fix: first each setting's declared
     bounds and choices, then what involves several settings or another module."""
@@ -410,14 +429,10 @@ def validate(config: RunConfig) -> None:
          f"train.shard_index {t.shard_index} must be in [0, {t.num_shards}); or leave it unset to claim one")
     need(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),
          f"train.device {t.device!r} is unknown; use auto, cpu, cuda or cuda:N")
-    from p2ptrain.swarm.dht import check_maddrs  # late: it parses with hivemind's multiaddr, which loads torch
-
     try:
         check_maddrs(s.initial_peers, "--initial-peers", need_peer_id=True)
         check_maddrs(s.host_maddrs, "--host-maddrs")
         check_maddrs(s.announce_maddrs, "--announce-maddrs")
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    from p2ptrain.model import MODEL_SIZES  # late: the model module pulls in nothing the config needs otherwise
-
     need(t.model in MODEL_SIZES, f"train.model {t.model!r} is unknown; use one of: {', '.join(MODEL_SIZES)}")

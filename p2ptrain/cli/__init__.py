@@ -52,13 +52,12 @@ def cli(ctx: click.Context, verbose: bool) -> None:
 def bootstrap(ctx: click.Context, maddrs_file: Optional[str], config_path: Optional[str], health_file: Optional[str],
               **params) -> None:
     """Run a DHT-only bootstrap peer (no model) until SIGINT/SIGTERM."""
+    config = load_run_config(ctx, config_path, params)  # first: a bad flag is reported before the heavy imports
     from p2ptrain.config import expand_hostname
     from p2ptrain.peer import run_bootstrap
     from p2ptrain.swarm.dht import SwarmError
 
     setup_hivemind_logging()
-
-    config = load_run_config(ctx, config_path, params)
     stop = threading.Event()
     install_stop_handlers(stop.set)
     try:
@@ -86,6 +85,11 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
          resume: bool,
          health_file: Optional[str], nproc_per_node: int, **params) -> None:
     """Join a run as a training peer."""
+    config = load_run_config(ctx, config_path, params)  # first: a bad flag is reported before the heavy imports
+    for path in config.train.data:  # data.py says the same, after the heavy imports (5 s later)
+        if not os.path.exists(path):
+            raise BadInput(f"--data {path}: no such file or folder; point --data at a UTF-8 text file or a folder "
+                           "of .txt files")
     from p2ptrain.checkpoint import CheckpointError
     from p2ptrain.config import ConfigError, expand_hostname
     from p2ptrain.data import DataError
@@ -94,8 +98,6 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
     from p2ptrain.swarm.progress import RunMismatch
 
     setup_hivemind_logging()
-
-    config = load_run_config(ctx, config_path, params)
     if nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
         from p2ptrain.hsdp import gpu_count_problem, multi_rank_problem
 
@@ -130,12 +132,11 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
 @click.pass_context
 def status(ctx: click.Context, as_json: bool, **params) -> None:
     """List the peers of a run with their progress, then exit."""
-    setup_hivemind_logging()
-
     config = load_run_config(ctx, None, params)
     if not config.swarm.initial_peers and not config.swarm.initial_peers_file:
         raise BadInput("status needs --initial-peers (or --initial-peers-file): the multiaddr of any live peer of "
                        "the run")
+    setup_hivemind_logging()
     found = fetch_status(config)
     if as_json:
         click.echo(json.dumps(found))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 HELP_THEN_REPORT = """
 import sys
 from p2ptrain.cli import cli
@@ -70,3 +72,33 @@ def test_default_threads_is_the_cores_this_process_may_use():
                 "from p2ptrain.config import default_threads; print(default_threads())")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         assert out.stdout.strip() == "1", out.stderr
+
+
+REFUSE_THEN_REPORT = """
+import sys
+import click
+from p2ptrain.cli import cli
+try:
+    cli.main(args={args!r}, prog_name="p2ptrain", standalone_mode=False)
+except click.ClickException as e:
+    print("EXIT", e.exit_code, e.format_message())
+print("HEAVY", "torch" in sys.modules, "hivemind" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["join", "--initial-peers", "bootstrap.example.org:4001"], "is not a multiaddr"),
+    (["join", "--initial-peers", "/ip4/127.0.0.1/tcp/4001"], "has no /p2p/<peer id>"),
+    (["bootstrap", "--host-maddrs", "0.0.0.0:4001"], "is not a multiaddr"),
+    (["join", "--model", "gigantic"], "train.model 'gigantic' is unknown"),
+    (["join", "--data", "/nonexistent/corpus"], "no such file or folder"),
+    (["status"], "needs --initial-peers"),
+])
+def test_a_bad_flag_is_reported_before_torch_or_hivemind_is_imported(args, fragment):
+    """A typo costs a fraction of a second, not the 3-5 s of importing torch and hivemind first."""
+    out = subprocess.run([sys.executable, "-c", REFUSE_THEN_REPORT.format(args=args)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    refused, heavy = out.stdout.strip().splitlines()[-2:]
+    assert refused.startswith("EXIT 2 ") and fragment in refused, out.stdout
+    assert heavy == "HEAVY False False"
