@@ -15,7 +15,8 @@ import pytest
 from p2ptrain.bench.netns import leftover_namespaces, netns_problem
 from tests.helpers import exit_code
 
-pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300),
+# slow: network namespaces and two 20 s benchmark runs; `make test-slow` (CI runs it)
+pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.timeout(300),
               pytest.mark.skipif(bool(netns_problem()), reason=netns_problem() or "")]
 
 ARGS = ["--model", "tiny", "--peers", "2", "--local-steps", "15", "--rate-mbit", "50"]

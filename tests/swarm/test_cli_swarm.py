@@ -262,6 +262,7 @@ def test_second_signal_forces_exit_without_orphans(tmp_path):
     assert_all_gone(children)
 
 
+@pytest.mark.slow  # over 15 s on 2 cores: `make test-slow` (CI runs it)
 def test_sigkilled_peer_leaves_no_orphans(tmp_path):
     # nothing in the peer can clean up after kill -9: its DHT and averager processes notice and follow it out
     boot, _ = start_bootstrap(tmp_path)

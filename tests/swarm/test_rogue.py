@@ -265,7 +265,8 @@ POISONS = {
 
 # two rogues at once per test (keeps the suite short); the benchmark runs each poison alone, for its own cost
 POISON_SETS = ([(name,) for name in sorted(POISONS)] if os.environ.get("P2PTRAIN_ATTACK_REPORT")
-               else [("nan", "wrong_shape"), ("huge", "inf")])
+               # the first set over 15 s on 2 cores: `make test-slow` (CI runs it)
+               else [pytest.param(("nan", "wrong_shape"), marks=pytest.mark.slow), ("huge", "inf")])
 
 
 def start_rogue(swarm_key, dhts, path) -> tuple:
