@@ -16,12 +16,12 @@ from hivemind import DHT
 from p2ptrain.averaging import PseudoGradientAverager, RoundResult
 from p2ptrain.averaging.averager import PROTOCOL_VERSION
 from p2ptrain.averaging.compression import COMPRESSIONS, ERROR_FEEDBACK_BY_DEFAULT
+from p2ptrain.diloco.membership import Membership
 from p2ptrain.diloco.records import NO_GROUP_POLICIES, Outcome, RoundOutcome, SyncRecord, Throughput, _digest_of
 from p2ptrain.diloco.rounds import Position, Rounds, RoundSettings
 from p2ptrain.diloco.state import StateSharingMixin, _SnapshotRequest
 from p2ptrain.finite import all_finite
 from p2ptrain.outer import add_error_feedback_, outer_step_, pseudo_gradient_
-from p2ptrain.diloco.membership import Membership
 from p2ptrain.swarm.progress import ProgressPublisher
 
 logger = logging.getLogger(__package__)  # one logger name for the whole optimizer, as users grep for it
