@@ -1,7 +1,9 @@
 """State transfer to newcomers: chunks from several donors, resumed past a donor that dies part way.
 
 Real `p2ptrain join` processes on 127.0.0.1: two donors train; two newcomers start at the same moment; one donor
-is told (P2PTRAIN_FAULT) to die after serving two chunks of its state. Both newcomers must finish the transfer
+is told (P2PTRAIN_FAULT) to die after serving one chunk of its state: a newcomer that chooses it asks it for
+FETCHES_PER_DONOR (2) chunks at once, so it dies part way whichever newcomer asks it (at "after two chunks", a donor
+asked for 2 chunks in all never died, and the test waited for its death in vain, in CI). Both newcomers must finish the transfer
 from the other donor, take the same state, and then average with the swarm on the same parameters.
 """
 
@@ -28,7 +30,7 @@ def test_two_simultaneous_newcomers_resume_past_a_dying_donor(tmp_path):
     procs = {
         0: start_worker(tmp_path, 0, maddr, "transfer", *ARGS, "--shard-index", "0"),
         1: start_worker(tmp_path, 1, maddr, "transfer", *ARGS, "--shard-index", "1",
-                        env={"P2PTRAIN_FAULT": "kill-mid-state-transfer:2"}),
+                        env={"P2PTRAIN_FAULT": "kill-mid-state-transfer:1"}),
     }
     try:
         wait_until(lambda: report(tmp_path, 0).get("outer_steps", 0) >= 2, "the donors reach outer step 2", 120,
@@ -37,7 +39,7 @@ def test_two_simultaneous_newcomers_resume_past_a_dying_donor(tmp_path):
             procs[i] = start_worker(tmp_path, i, maddr, "transfer", *ARGS, "--shard-index", str(i),
                                     "--max-outer-steps", str(NEWCOMER_SYNCS))
         assert procs[1].wait(timeout=60) < 0, "the faulty donor should have died while serving its state"
-        assert "fault injection: dying after serving 2 state chunks" in (tmp_path / "w1.log").read_text()
+        assert "fault injection: dying after serving 1 state chunks" in (tmp_path / "w1.log").read_text()
         del procs[1]
         for i in (2, 3):
             assert exit_code(procs[i], 200, tmp_path / f"w{i}.log") == 0, (tmp_path / f"w{i}.log").read_text()[-3000:]
@@ -58,8 +60,8 @@ def test_two_simultaneous_newcomers_resume_past_a_dying_donor(tmp_path):
         assert sum(transfer["chunks_by_donor"].values()) == 7
         assert set(transfer["chunks_by_donor"]) <= {donor["peer_id"], dead_donor, other["peer_id"]}
         served_by_dead += transfer["chunks_by_donor"].get(dead_donor, 0)
-    # the dead donor served 2 chunks before dying, so at least one newcomer had to resume past it
-    assert served_by_dead <= 2
+    # the dead donor served 1 chunk before dying, so at least one newcomer had to resume past it
+    assert served_by_dead <= 1
     assert any(dead_donor in n["state_download"]["failed_donors"] for n in newcomers)
 
     # both newcomers took the same state and then committed the same rounds as the donor
