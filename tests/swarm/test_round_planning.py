@@ -92,9 +92,15 @@ def test_a_peer_waits_for_a_slower_one_instead_of_stepping_alone(dhts):
         # the group starts when B arrives, not when some window ends
         started = [max(ra.finished_at - ra.allreduce_s, rb.finished_at - rb.allreduce_s) - (rb.finished_at - rb.seconds)
                    for ra, rb in zip(a.history, b.history)]
+        reruns = max(a.averager.incomplete_rounds, b.averager.incomplete_rounds)
         print(f"A waited {' '.join(f'{s:.1f}' for s in waited)}s; groups formed "
-              f"{' '.join(f'{s:.2f}' for s in started)}s after B arrived")
-        assert max(started) < 1.0 + 1.0, started  # within the 1 s window even on a loaded machine
+              f"{' '.join(f'{s:.2f}' for s in started)}s after B arrived; all-reduces re-run: {reruns}")
+        # within the 1 s window even on a loaded machine. A round whose all-reduce failed and was run again (seen
+        # once in CI: a part lost for the 10 s chunk timeout on a loaded machine; test_chaos covers re-runs) forms
+        # its applied group after that failure, which says nothing about the window: such a round may be late, and
+        # at most one of the three
+        late = [s for s in started if s >= 1.0 + 1.0]
+        assert len(late) <= min(reruns, 1), (started, reruns)
     finally:
         a.close()
         b.close()
