@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 import socket
 import sys
 import typing
@@ -44,6 +45,10 @@ NO_GROUP_POLICIES = ("apply_local", "wait")
 """diloco.NO_GROUP_POLICIES: what a peer does when nobody is there to average with"""
 REACHABILITY_MODES = ("auto", "public", "client")
 """swarm/reachability.py's MODES"""
+LR_SCHEDULES = ("constant", "cosine", "linear")
+"""schedules.py's inner learning-rate schedules after the warm-up"""
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+"""train_loop.py's autocast modes; auto: bf16 on CUDA, fp32 on CPU"""
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -143,6 +148,18 @@ class DiLoCoConfig:
     no_group_policy: str = setting("apply_local", choices=NO_GROUP_POLICIES)
     """when no group forms: "apply_local" (own pseudo-gradient, only when no other live peer is at this outer
     step or those that are refuse to group) or "wait" (look again until a group forms)"""
+    lr_schedule: str = setting("constant", choices=LR_SCHEDULES)
+    """the inner learning rate after the warm-up: constant, or a cosine or linear decay to min_lr_ratio x inner_lr
+    at total_steps. It follows the swarm's inner step count, which newcomers take with the state, so every peer is
+    at the same point of it"""
+    warmup_steps: int = setting(0, at_least=0)
+    """inner steps (the swarm's count) of linear inner learning-rate warm-up from 0"""
+    total_steps: Optional[int] = setting(None, at_least=1)
+    """inner steps (the swarm's count) at which a cosine or linear schedule reaches its end; it stays there after"""
+    min_lr_ratio: float = setting(0.1, at_least=0, below=1)
+    """the inner learning rate at the end of a cosine or linear schedule, as a fraction of inner_lr"""
+    outer_warmup_steps: int = setting(0, at_least=0)
+    """outer steps of linear outer learning-rate warm-up (outer_lr x (outer step + 1) / this)"""
 
 
 @dataclass
@@ -150,13 +167,37 @@ class TrainConfig:
     """The local training loop of a worker."""
 
     model: str = "tiny"
-    """built-in model size: tiny, small, 124m"""
+    """the model: a built-in size (tiny, small, 124m), a folder with a Hugging Face config.json (a fresh model; with
+    weights beside it, continued pretraining), a Hugging Face hub id (hosts with internet), or package.module:factory
+    (a function returning a torch.nn.Module; see docs/MODELS.md)"""
+    tokenizer: Optional[str] = None
+    """a Hugging Face tokenizer folder or hub id, or "bytes" (one token per byte); unset: the model folder's own
+    tokenizer if it has one, else bytes"""
+    text_field: str = "text"
+    """the field of each record that holds its text, in .jsonl, .parquet and .arrow data and Hugging Face datasets"""
+    seq_len: Optional[int] = setting(None, at_least=2)
+    """tokens per training sequence; unset: the built-in model's block size, or a Hugging Face model's context length
+    up to 1024"""
+    data_cache: Optional[str] = None
+    """folder where tokenized data is cached (reused by later runs on the same data and tokenizer); unset:
+    ~/.cache/p2ptrain/tokens"""
     batch_size: int = setting(16, at_least=1)
     """sequences per inner step"""
+    micro_batch_size: Optional[int] = setting(None, at_least=1)
+    """sequences per forward and backward pass: an inner step accumulates the gradients of batch_size /
+    micro_batch_size of them (less memory, the same step); unset: the whole batch at once"""
+    grad_clip: Optional[float] = setting(None, above=0)
+    """clip the gradient's global norm to this before each inner step; unset: no clipping"""
+    precision: str = setting("auto", choices=PRECISIONS)
+    """autocast: bf16, fp16 (with a gradient scaler), fp32, or auto (bf16 on CUDA, fp32 on CPU); parameters, the
+    optimizers and the sync stay fp32"""
+    compile: bool = False
+    """compile the model with torch.compile (faster steps after a slower first one)"""
     seed: int = 0
     """model initialisation seed; every peer of a run must use the same one"""
     data: List[str] = setting(factory=list)
-    """text files or folders of .txt files to train on; empty: the built-in corpus"""
+    """what to train on: .txt, .jsonl, .parquet or .arrow files, folders of them, or a Hugging Face dataset name
+    (hosts with internet); empty: the built-in corpus"""
     num_shards: int = setting(16, at_least=1)
     """the training text is cut into this many disjoint shards; peers claim different ones"""
     shard_index: Optional[int] = setting(None, at_least=0)
@@ -181,6 +222,9 @@ class TrainConfig:
     run: a peer that joins or resumes at or past it leaves without training); unset: no limit"""
     eval_batches: int = setting(8, at_least=1)
     """held-out batches for the eval loss, measured at start and after every sync"""
+    eval_every: Optional[int] = setting(None, at_least=1)
+    """also measure the held-out loss and perplexity every this many inner steps; unset: only at start and after
+    every sync"""
     log_interval_s: float = 10.0
     """seconds between log lines"""
     threads: Optional[int] = setting(None, at_least=1)
@@ -435,4 +479,50 @@ def validate(config: RunConfig) -> None:
         check_maddrs(s.announce_maddrs, "--announce-maddrs")
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    need(t.model in MODEL_SIZES, f"train.model {t.model!r} is unknown; use one of: {', '.join(MODEL_SIZES)}")
+    need(t.micro_batch_size is None or t.batch_size % t.micro_batch_size == 0,
+         f"train.micro_batch_size {t.micro_batch_size} must divide train.batch_size {t.batch_size}; e.g. "
+         f"--micro-batch-size {_largest_divisor(t.batch_size, t.micro_batch_size)}")
+    need(d.lr_schedule == "constant" or d.total_steps is not None,
+         f"diloco.lr_schedule {d.lr_schedule!r} needs diloco.total_steps: the inner step at which it ends "
+         "(--total-steps)")
+    need(d.total_steps is None or d.total_steps > d.warmup_steps,
+         f"diloco.total_steps {d.total_steps} must be above diloco.warmup_steps {d.warmup_steps}")
+    problem = model_source_problem(t.model)
+    need(not problem, problem)
+
+
+def _largest_divisor(n: int, at_most: Optional[int]) -> int:
+    return max(k for k in range(1, min(n, at_most or n) + 1) if n % k == 0)
+
+
+FACTORY_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+"""package.module:function"""
+HUB_ID_PATTERN = re.compile(r"^[\w.-]+/[\w.-]+$")
+"""a Hugging Face hub id: owner/name (the hub's bare legacy names have owner/name aliases: openai-community/gpt2)"""
+
+
+def model_kind(model: str) -> str:
+    """What --model names: "builtin", "factory" (package.module:function), "hf_dir" (an existing folder) or "hub"
+    (anything else shaped like a hub id). Cheap: no import, at most a stat."""
+    if model in MODEL_SIZES:
+        return "builtin"
+    if FACTORY_PATTERN.match(model):
+        return "factory"
+    if os.path.isdir(os.path.expanduser(model)):
+        return "hf_dir"
+    return "hub"
+
+
+def model_source_problem(model: str) -> str:
+    """Why --model cannot name a model (one line, with the fix), or ''."""
+    sizes = ", ".join(MODEL_SIZES)
+    kind = model_kind(model)
+    path = Path(os.path.expanduser(model))
+    if kind == "hf_dir" and not (path / "config.json").is_file():
+        return (f"--model {model}: the folder has no config.json; point --model at a Hugging Face model folder "
+                f"(config.json, and weights to continue from), or use a built-in size ({sizes})")
+    if kind == "hub" and (path.exists() or not HUB_ID_PATTERN.match(model)):
+        what = "is a file, not a folder" if path.is_file() else "is unknown"
+        return (f"train.model {model!r} {what}; use a built-in size ({sizes}), a Hugging Face model folder, a hub "
+                "id (owner/name) or package.module:factory")
+    return ""

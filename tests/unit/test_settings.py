@@ -16,6 +16,8 @@ PEER = "/ip4/127.0.0.1/tcp/4001/p2p/QmSXUVsMGJFQBswMvF8D8Fmqy9QgjPzgfoqk3FUZv6gi
 GOOD = {"swarm.initial_peers": [PEER], "swarm.host_maddrs": ["/ip4/127.0.0.1/tcp/0"],
         "swarm.announce_maddrs": ["/ip4/127.0.0.1/tcp/4001"], "train.model": "small", "train.device": "cpu",
         "diloco.inner_betas": [0.8, 0.9]}
+# settings whose other values need a second one set (a decaying schedule needs its end): (key, value) set beside
+COMPANIONS = {"diloco.lr_schedule": ("diloco.total_steps", 1000)}
 
 
 def good_value(s: Setting):
@@ -106,13 +108,16 @@ def test_join_help_names_every_flag_variable_and_default():
 def test_a_flag_a_variable_and_a_file_set_the_same_value(s, tmp_path, monkeypatch):
     value, seen = good_value(s), {}
     assert value != s.default
+    companion = [(other, v) for other in settings() for key, v in [COMPANIONS.get(s.key, (None, None))]
+                 if other.key == key]
     path = tmp_path / "run.toml"
-    path.write_text(as_toml(s, value))
+    path.write_text(as_toml(s, value) + "".join(as_toml(t, v).split("\n", 1)[1] for t, v in companion))
     assert value_of(load_config(path), s) == value
-    result = CliRunner().invoke(probe_command(seen), as_flag_args(s, value))
+    result = CliRunner().invoke(probe_command(seen), [a for t, v in [*companion, (s, value)] for a in as_flag_args(t, v)])
     assert result.exit_code == 0, result.output
     assert value_of(seen["config"], s) == value
-    monkeypatch.setenv(s.env, as_env(s, value))
+    for t, v in [*companion, (s, value)]:
+        monkeypatch.setenv(t.env, as_env(t, v))
     result = CliRunner().invoke(probe_command(seen), [])
     assert result.exit_code == 0, result.output
     assert value_of(seen["config"], s) == value
