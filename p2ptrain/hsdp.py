@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from p2ptrain.checkpoint import latest_sharded_or_raise, load_checkpoint, point_latest_at, save_checkpoint
 from p2ptrain.config import ConfigError
 from p2ptrain.diloco import DiLoCoOptimizer
+from p2ptrain.model_source import decoder_blocks
 
 if TYPE_CHECKING:
     from p2ptrain.ranks import LocalRanks
@@ -111,12 +112,12 @@ def exit_rank(code: int) -> NoReturn:
 
 
 def shard_model(model: torch.nn.Module, mesh) -> None:
-    """``fully_shard`` every transformer block, then the root; on CUDA, bf16 parameters and fp32 gradient
-    reduction."""
+    """``fully_shard`` every transformer block (a Hugging Face model's decoder layers), then the root; on CUDA, bf16
+    parameters and fp32 gradient reduction."""
     mp = MixedPrecisionPolicy()
     if mesh.device_type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.transformer.h:
+    for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
 

@@ -30,15 +30,19 @@ in /dev/shm: the averager's buffers and the snapshot (hivemind shares them betwe
 
 from __future__ import annotations
 
+import math
 import shutil
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Tuple, Union
 
 import psutil
 import torch
 
 from p2ptrain.config import ConfigError
 from p2ptrain.model import GPT, GPTConfig
+
+if TYPE_CHECKING:
+    from p2ptrain.model_source import ModelSpec
 
 GiB = 1 << 30
 FRAGMENTATION = 1.10
@@ -64,19 +68,29 @@ def count_parameters(config: GPTConfig) -> int:
         return GPT(config).num_parameters()
 
 
-def estimate_memory(config: GPTConfig, batch_size: int, world: int, shard: int, device_type: str,
-                    activation_checkpointing: bool) -> MemoryEstimate:
-    n = count_parameters(config)
+def _shape(model: Union[GPTConfig, "ModelSpec"]) -> Tuple[int, int, int, int, int]:
+    """(parameters, blocks, width, sequence length, vocabulary) of a built-in shape or a resolved ModelSpec. A
+    factory's module may not say its depth and width: then one block as wide as a GPT of its size (coarse)."""
+    if isinstance(model, GPTConfig):
+        return count_parameters(model), model.n_layer, model.n_embd, model.block_size, model.vocab_size
+    n = model.num_parameters
+    return n, model.n_layer or 1, model.n_embd or int(math.sqrt(n / 12)), model.seq_len, model.vocab_size
+
+
+def estimate_memory(config: Union[GPTConfig, "ModelSpec"], batch_size: int, world: int, shard: int,
+                    device_type: str, activation_checkpointing: bool) -> MemoryEstimate:
+    """``batch_size``: the sequences of one forward and backward pass (the micro-batch)."""
+    n, n_layer, width, seq_len, vocab_size = _shape(config)
     cuda = device_type == "cuda"
     value_bytes = 2 if cuda else 4
     rows = max(batch_size // world, 1)
-    tokens, width = rows * config.block_size, config.n_embd
+    tokens = rows * seq_len
     per_block = ACTIVATION_VALUES_PER_TOKEN_AND_WIDTH * tokens * width * value_bytes
     if activation_checkpointing:
-        activations = config.n_layer * tokens * width * value_bytes + per_block
+        activations = n_layer * tokens * width * value_bytes + per_block
     else:
-        activations = config.n_layer * per_block
-    logits = tokens * config.vocab_size * (value_bytes + 4)  # and the fp32 softmax of the loss
+        activations = n_layer * per_block
+    logits = tokens * vocab_size * (value_bytes + 4)  # and the fp32 softmax of the loss
     bf16_copies = 2 * n if cuda else 0
     rank = int((16 * n // shard + activations + logits + bf16_copies) * FRAGMENTATION)
 
@@ -105,7 +119,7 @@ def memory_problem(estimate: MemoryEstimate, *, device_free: Optional[int], host
     return ""
 
 
-def check_memory(config: GPTConfig, batch_size: int, world: int, shard: int, device: torch.device,
+def check_memory(config: Union[GPTConfig, "ModelSpec"], batch_size: int, world: int, shard: int, device: torch.device,
                  activation_checkpointing: bool, leader: bool) -> MemoryEstimate:
     """Raise ConfigError if this rank's part of the peer will not fit; return the estimate. The leader checks the
     host and /dev/shm for the whole peer."""
