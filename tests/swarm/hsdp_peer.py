@@ -4,8 +4,8 @@
         --initial-peers MADDR --out DIR --syncs 3 --local-steps 5
 
 Rank r trains on rows [r*B/W, (r+1)*B/W) of each batch of data shard 0, so the peer as a whole sees the same
-batches as a single-rank peer on shard 0 (tests/swarm/test_hsdp.py). The leader writes DIR/digests.json (the
-global parameters' digest after every sync) and DIR/global.pt (the final global parameters). With --save CKPT it
+batches as a single-rank peer on shard 0 (tests/swarm/test_hsdp.py). The leader writes DIR/digests.json ([outer step,
+digest of the global parameters, caught up?] of every sync) and DIR/global.pt (the final global parameters). With --save CKPT it
 then writes a sharded checkpoint and DIR/saved.pt (full model, AdamW moments, counters, global parameters); with
 --load CKPT it starts from the checkpoint and writes the same for what it loaded to DIR/loaded.pt. With --catch-up
 it first takes the swarm's state (catch_up_if_behind) and writes what it took to DIR/caught.pt; with --serve it
@@ -83,7 +83,6 @@ def main() -> None:
     train, _ = split_train_val(load_corpus(None))
     batches = ShardedBatches(train, block_size=model.config.block_size, batch_size=BATCH, shard_index=0, num_shards=2)
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-    digests = []
     try:
         if args.load:
             opt.load_checkpoint(args.load, model)
@@ -97,11 +96,11 @@ def main() -> None:
             loss.backward()
             opt.step(batch_size=BATCH)
             opt.zero_grad()
-            if rank == 0 and opt.local_step % args.local_steps == 0:
-                digests.append(opt.diloco.history[-1].digest)
         if rank == 0:
             out = Path(args.out)
-            (out / "digests.json").write_text(json.dumps(digests))
+            # every sync's record, a caught-up one included (after a catch-up the counters may sit mid-phase)
+            syncs = [[record.outer_step, record.digest, record.caught_up] for record in opt.diloco.history]
+            (out / "digests.json").write_text(json.dumps(syncs))
             torch.save(opt.global_state()["global_params"], out / "global.pt")
         if args.save:
             opt.save_checkpoint(args.save, model)

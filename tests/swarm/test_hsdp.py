@@ -64,7 +64,7 @@ def single_rank_peer(dht: hivemind.DHT, shard: int, result: dict) -> None:
             model(x, y)[1].backward()
             opt.step()
             opt.zero_grad()
-        result["digests"] = [record.digest for record in opt.history]
+        result["digests"] = {record.outer_step: record.digest for record in opt.history}
         result["group_sizes"] = [record.group_size for record in opt.history]
         result["global"] = [g.detach().clone() for g in opt.global_params]
     finally:
@@ -92,10 +92,16 @@ def test_two_rank_hsdp_peer_and_one_rank_peer_stay_identical(tmp_path):
             ranks.wait()
         dht.shutdown()
 
-    hsdp_digests = json.loads((tmp_path / "digests.json").read_text())
+    hsdp_syncs = json.loads((tmp_path / "digests.json").read_text())
     hsdp_global = torch.load(tmp_path / "global.pt")
     assert one_rank["group_sizes"] == [2] * SYNCS, "the two peers did not average together every round"
-    assert hsdp_digests == one_rank["digests"], "the 2-rank and the 1-rank peer hold different global parameters"
+    # Under load one all-reduce may end asymmetrically (seen in CI: the 1-rank peer got every part and committed,
+    # the 2-rank peer missed its last part, applied nothing and took the committed state from the 1-rank peer).
+    # That is the fault path doing its job: the 2-rank peer still holds the swarm's parameters after every sync.
+    assert sum(caught_up for _, _, caught_up in hsdp_syncs) <= 1, hsdp_syncs
+    assert [step for step, _, _ in hsdp_syncs] == list(range(1, SYNCS + 1)), hsdp_syncs
+    assert {step: digest for step, digest, _ in hsdp_syncs} == one_rank["digests"], \
+        "the 2-rank and the 1-rank peer hold different global parameters"
     assert all(torch.equal(a, b) for a, b in zip(hsdp_global, one_rank["global"], strict=True))
 
     # the same run with a 1-rank peer on shard 0 in place of the 2-rank peer
