@@ -1,22 +1,29 @@
 """Training text: load the corpus, hold out a validation split, cut the rest into per-peer shards.
 
-The model reads raw bytes, so the corpus is just the bytes of the files, joined. Every peer of a run must load the
-same corpus (same files, same order): the shards and the validation split are byte ranges of it, and peers that
-disagree on it would overlap their shards and report eval losses that cannot be compared.
+The built-in models read raw bytes, so their corpus is just the bytes of the files, joined, in memory. Any other
+tokenizer's tokens are in a cache file on disk (``tokens.TokenFile``, made by ``tokens.py``), read a batch's rows at a
+time; the split, the shards and the batches below work on either, a byte being a token. Every peer of a run must load
+the same corpus (same files, same order, same tokenizer): the shards and the validation split are token ranges of it,
+and peers that disagree on it would overlap their shards and report eval losses that cannot be compared.
 """
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence, Union
 
 import torch
+
+if TYPE_CHECKING:
+    from p2ptrain.tokens import TokenFile
 
 CORPUS_DIR = Path(__file__).parent / "corpus"
 FILE_SEPARATOR = b"\n\n"
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+Tokens = Union[bytes, "TokenFile"]
+"""training text: its bytes in memory (the byte-level path), or a token cache file"""
 
 
 class DataError(ValueError):
@@ -80,18 +87,45 @@ def load_corpus(paths: Sequence[str | Path] | None = None, min_bytes: int = 1024
     return data
 
 
-def split_train_val(data: bytes, val_fraction: float = 0.1) -> tuple[bytes, bytes]:
-    """(train, validation): the last ``val_fraction`` of the bytes is held out, the rest is for training.
+def token_unit(data: Tokens) -> str:
+    """What one of ``data``'s tokens is, for messages: "byte" or "token"."""
+    return "byte" if isinstance(data, bytes) else "token"
+
+
+class _InMemory:
+    """Bytes as tokens, in memory: the rows of a batch are gathered from a tensor of them."""
+
+    def __init__(self, data: bytes):
+        self._tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # a copy: torch wants a writable buffer
+
+    def rows(self, starts: torch.Tensor, length: int) -> torch.Tensor:
+        """``length`` tokens from each of ``starts``: (len(starts), length) int64."""
+        return self._tokens[starts[:, None] + torch.arange(length)].long()
+
+
+def _token_range(data: Tokens, start: int, end: int) -> Union[_InMemory, "TokenFile"]:
+    """Tokens ``[start, end)`` of ``data``, to read rows from: a copy of that range of bytes, or a view of the file
+    (nothing read until a batch needs it)."""
+    return _InMemory(data[start:end]) if isinstance(data, bytes) else data.view(start, end)
+
+
+def split_train_val(data: Tokens, val_fraction: float = 0.1) -> tuple[Tokens, Tokens]:
+    """(train, validation): the last ``val_fraction`` of the tokens (bytes, or a token file's: then two views of it)
+    is held out, the rest is for training.
 
     A plain tail split of the whole corpus, not of each file: with several files the held-out text is the end of
-    the last one(s). It depends only on the bytes, so every peer holds out the same text.
+    the last one(s). It depends only on the tokens, so every peer holds out the same text.
     """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    val_bytes = int(len(data) * val_fraction)
-    if val_bytes < 1 or val_bytes == len(data):
-        raise DataError(f"{len(data)} bytes of text cannot be split into training and held-out text; use more data")
-    return data[: len(data) - val_bytes], data[len(data) - val_bytes :]
+    num_tokens = len(data)
+    num_val = int(num_tokens * val_fraction)
+    if num_val < 1 or num_val == num_tokens:
+        raise DataError(f"{num_tokens} {token_unit(data)}s of text cannot be split into training and held-out text; "
+                        "use more data")
+    if isinstance(data, bytes):
+        return data[: num_tokens - num_val], data[num_tokens - num_val :]
+    return data.view(0, num_tokens - num_val), data.view(num_tokens - num_val, num_tokens)
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -100,25 +134,29 @@ def _epoch_seed(seed: int, epoch: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def shard_layout(num_bytes: int, num_shards: int, shard_index: int, block_size: int) -> tuple[int, int, int]:
-    """(start, end, samples_per_epoch) of shard ``shard_index`` of ``num_bytes`` training bytes cut into ``num_shards``
-    contiguous ranges: its bytes are ``data[start:end]``, and it holds that many non-overlapping samples."""
-    start, end = num_bytes * shard_index // num_shards, num_bytes * (shard_index + 1) // num_shards
-    # a sample needs block_size + 1 bytes: y's last byte is one past x's
+def shard_layout(num_tokens: int, num_shards: int, shard_index: int, block_size: int) -> tuple[int, int, int]:
+    """(start, end, samples_per_epoch) of shard ``shard_index`` of ``num_tokens`` training tokens (or bytes) cut into
+    ``num_shards`` contiguous ranges: its tokens are ``data[start:end]``, and it holds that many non-overlapping
+    samples."""
+    start, end = num_tokens * shard_index // num_shards, num_tokens * (shard_index + 1) // num_shards
+    # a sample needs block_size + 1 tokens: y's last token is one past x's
     return start, end, max(0, end - start - 1) // block_size
 
 
-def phase_shortfall(num_bytes: int, num_shards: int, block_size: int, local_steps: int, batch_size: int,
-                    shard_index: Optional[int] = None) -> Optional[str]:
+def phase_shortfall(num_tokens: int, num_shards: int, block_size: int, local_steps: int, batch_size: int,
+                    shard_index: Optional[int] = None, unit: str = "byte") -> Optional[str]:
     """A warning (or None) when a shard holds fewer samples than one inner phase trains on (``local_steps *
     batch_size``): a peer then goes through the whole shard, and on to other shards, within one phase (or, if it is
-    pinned to the shard or every other shard is taken, trains on the same samples several times per phase)."""
+    pinned to the shard or every other shard is taken, trains on the same samples several times per phase).
+
+    :param unit: what ``num_tokens`` counts, for the message: ``token_unit(data)``
+    """
     index = 0 if shard_index is None else shard_index
-    _, _, samples = shard_layout(num_bytes, num_shards, index, block_size)
+    _, _, samples = shard_layout(num_tokens, num_shards, index, block_size)
     phase = local_steps * batch_size
     if samples >= phase:
         return None
-    total = sum(shard_layout(num_bytes, num_shards, i, block_size)[2] for i in range(num_shards))
+    total = sum(shard_layout(num_tokens, num_shards, i, block_size)[2] for i in range(num_shards))
     fewer = max(1, min(num_shards - 1, total // phase))
     if total < phase:
         fix = (f"the whole training text ({total} samples) is less than one phase: use more data, or fewer samples "
@@ -126,15 +164,15 @@ def phase_shortfall(num_bytes: int, num_shards: int, block_size: int, local_step
     else:
         fix = (f"use fewer shards (--num-shards {fewer}, the same on every peer), more data, or fewer samples per "
                "phase (--local-steps, --batch-size)")
-    return (f"data shard {index} holds {samples} samples ({num_bytes} bytes of training text in {num_shards} shards, "
-            f"{block_size}-byte samples), fewer than one inner phase trains on (local_steps {local_steps} x "
+    return (f"data shard {index} holds {samples} samples ({num_tokens} {unit}s of training text in {num_shards} "
+            f"shards, {block_size}-{unit} samples), fewer than one inner phase trains on (local_steps {local_steps} x "
             f"batch_size {batch_size} = {phase} samples); {fix}")
 
 
 class ShardedBatches:
-    """Endless (x, y) batches from shards of the training bytes; y is x shifted by one byte.
+    """Endless (x, y) batches from shards of the training tokens (bytes, or a token file); y is x shifted by one token.
 
-    The bytes are cut into ``num_shards`` contiguous ranges, and every sample of a shard lies inside its range, so
+    The tokens are cut into ``num_shards`` contiguous ranges, and every sample of a shard lies inside its range, so
     peers on different shards never train on the same text. A sample starts at a multiple of ``block_size`` from the
     start of the shard (non-overlapping windows); one epoch visits each of them once, in an order shuffled by
     (seed, epoch).
@@ -150,7 +188,7 @@ class ShardedBatches:
     """
 
     def __init__(
-        self, data: bytes, block_size: int, batch_size: int, shard_index: int, num_shards: int, seed: int = 0,
+        self, data: Tokens, block_size: int, batch_size: int, shard_index: int, num_shards: int, seed: int = 0,
         on_epoch_end: Optional[Callable[[dict], Optional[dict]]] = None,
     ):
         if block_size < 1:
@@ -166,28 +204,27 @@ class ShardedBatches:
         self.num_shards = num_shards
         self.seed = seed
         self.on_epoch_end = on_epoch_end
-        self._data = data  # bytes are immutable: a reference, not a copy
+        self._data = data  # bytes are immutable, a token file read-only: a reference, not a copy
         self.left_shards: dict[int, dict] = {}
         """shard -> its state when this iterator left it, since the caller last cleared this"""
         self.epoch = 0  # epochs of the current shard completed
         self.position = 0  # samples of the current epoch already yielded
         self._order_epoch, self._order = -1, torch.empty(0, dtype=torch.long)
-        self._offsets = torch.arange(block_size + 1)  # (T+1,)
         self._set_shard(shard_index)
 
     def _set_shard(self, shard_index: int) -> None:
         start, end, samples = shard_layout(len(self._data), self.num_shards, shard_index, self.block_size)
         if samples == 0:
+            unit = token_unit(self._data)
             raise DataError(
-                f"{len(self._data)} bytes of training text in {self.num_shards} shards leave {end - start} bytes per "
-                f"shard, fewer than the {self.block_size + 1} one sample needs; use fewer shards (train.num_shards) "
-                "or more data"
+                f"{len(self._data)} {unit}s of training text in {self.num_shards} shards leave {end - start} {unit}s "
+                f"per shard, fewer than the {self.block_size + 1} one sample needs; use fewer shards "
+                "(train.num_shards) or more data"
             )
         self.shard_index = shard_index
-        self.shard_range = (start, end)  # the bytes of ``data`` that this shard's samples lie in
+        self.shard_range = (start, end)  # the tokens of ``data`` that this shard's samples lie in
         self.samples_per_epoch = samples
-        # a copy of this shard only (bytes are read-only, and torch wants a writable buffer)
-        self._shard = torch.frombuffer(bytearray(self._data[start:end]), dtype=torch.uint8)
+        self._shard = _token_range(self._data, start, end)
         self._order_epoch = -1  # the order is per (seed, epoch) and shard size: make it again
 
     def _epoch_order(self, epoch: int) -> torch.Tensor:
@@ -199,7 +236,7 @@ class ShardedBatches:
         return self._order
 
     def window_offsets(self, epoch: int) -> torch.Tensor:
-        """Where epoch ``epoch``'s samples start, as byte offsets into ``data``, in visiting order."""
+        """Where epoch ``epoch``'s samples start, as token offsets into ``data``, in visiting order."""
         return self._epoch_order(epoch) + self.shard_range[0]
 
     def __iter__(self) -> ShardedBatches:
@@ -210,7 +247,7 @@ class ShardedBatches:
         needed = self.batch_size
         while needed:
             take = self._epoch_order(self.epoch)[self.position : self.position + needed]
-            rows.append(self._shard[take[:, None] + self._offsets])  # (b, T+1) of the shard it came from
+            rows.append(self._shard.rows(take, self.block_size + 1))  # (b, T+1) of the shard it came from
             needed -= len(take)
             self.position += len(take)
             if self.position == self.samples_per_epoch:
@@ -219,7 +256,7 @@ class ShardedBatches:
                     nxt = self.on_epoch_end(self.state_dict())
                     if nxt is not None and nxt["shard_index"] != self.shard_index:
                         self.load_state_dict(nxt)
-        chunk = torch.cat(rows).long()  # (B, T+1)
+        chunk = torch.cat(rows)  # (B, T+1)
         return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()  # (B, T), (B, T)
 
     def state_for(self, shard_index: int, epoch: int = 0, position: int = 0) -> dict:
@@ -259,8 +296,9 @@ class ShardedBatches:
         self.epoch, self.position = state["epoch"], state["position"]
 
 
-def eval_batches(data: bytes, block_size: int, batch_size: int, max_batches: int) -> list[Batch]:
-    """Held-out batches: up to ``max_batches * batch_size`` samples at evenly spaced offsets over ``data``.
+def eval_batches(data: Tokens, block_size: int, batch_size: int, max_batches: int) -> list[Batch]:
+    """Held-out batches: up to ``max_batches * batch_size`` samples at evenly spaced offsets over ``data`` (bytes, or
+    a token file).
 
     Deterministic, so every peer evaluates on the same samples and their losses can be compared. A short ``data``
     gives fewer samples (no more than fit side by side), and the last batch may be smaller than ``batch_size``.
@@ -272,14 +310,13 @@ def eval_batches(data: bytes, block_size: int, batch_size: int, max_batches: int
     last_start = len(data) - block_size - 1
     if last_start < 0:
         raise DataError(
-            f"the held-out text has {len(data)} bytes, fewer than the {block_size + 1} one eval sample needs; "
-            "use more data or a smaller model"
+            f"the held-out text has {len(data)} {token_unit(data)}s, fewer than the {block_size + 1} one eval sample "
+            "needs; use more data or a smaller model"
         )
     num_samples = min(max_batches * batch_size, (len(data) - 1) // block_size)
     # integer spacing: exact for any corpus size, unlike a float linspace
     starts = torch.tensor([i * last_start // max(1, num_samples - 1) for i in range(num_samples)], dtype=torch.long)
-    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    chunk = tokens[starts[:, None] + torch.arange(block_size + 1)].long()  # (num_samples, T+1)
+    chunk = _token_range(data, 0, len(data)).rows(starts, block_size + 1)  # (num_samples, T+1)
     x, y = chunk[:, :-1], chunk[:, 1:]
     return [(xb.contiguous(), yb.contiguous()) for xb, yb in zip(x.split(batch_size), y.split(batch_size))]
 
