@@ -40,6 +40,7 @@ from p2ptrain.checkpoint import latest_sharded_or_raise, load_checkpoint, point_
 from p2ptrain.config import ConfigError
 from p2ptrain.diloco import DiLoCoOptimizer
 from p2ptrain.model_source import decoder_blocks
+from p2ptrain.schedules import Schedule, scale_lrs
 
 if TYPE_CHECKING:
     from p2ptrain.ranks import LocalRanks
@@ -166,6 +167,10 @@ class ShardedDiLoCo:
     :param local_steps: H, inner steps between syncs
     :param diloco: on the leader only: builds the swarm-side ``DiLoCoOptimizer`` from (proxy parameters, inner
       optimizer factory); every other ``DiLoCoOptimizer`` argument is the caller's. None on the other ranks.
+    :param inner_lr_schedule: ``local_step -> factor`` of the inner LRs (``p2ptrain/schedules.py``), applied to every
+      rank's inner optimizer before each inner step and whenever the counters are taken from the leader (a sync, a
+      catch-up, a checkpoint load). Give it here, not to the leader's ``DiLoCoOptimizer``: that one's inner
+      optimizer is the proxy's, which never steps; ``_mirror_lrs`` copies the LRs used into it for newcomers.
     """
 
     def __init__(
@@ -175,6 +180,7 @@ class ShardedDiLoCo:
         inner_optimizer: Callable[..., torch.optim.Optimizer],
         local_steps: int,
         diloco: Optional[Callable[..., DiLoCoOptimizer]] = None,
+        inner_lr_schedule: Optional[Schedule] = None,
     ):
         self.rank = dist.get_rank()
         self.is_leader = self.rank == 0
@@ -185,6 +191,8 @@ class ShardedDiLoCo:
         self.local_steps = local_steps
         self.local_step = 0
         self.outer_step = 0
+        self.inner_lr_schedule = inner_lr_schedule
+        self._apply_lr_schedule()  # records the base LRs before anything else can change them
         self.proxy: List[torch.Tensor] = []
         self.diloco: Optional[DiLoCoOptimizer] = None
         with torch.no_grad():
@@ -235,12 +243,20 @@ class ShardedDiLoCo:
             self._scatter_moments()
         return caught_up
 
+    @property
+    def param_groups(self) -> List[dict]:
+        """This rank's inner optimizer's groups (of its shards): what ``torch.amp.GradScaler`` unscales and checks for
+        inf/NaN (DTensor gradients agree on that across the mesh, so every rank skips the same steps) and what
+        gradient clipping sees."""
+        return self.inner.param_groups
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def step(self, batch_size: Optional[int] = None) -> None:
         """One inner step on every rank; every ``local_steps`` steps, a sync of the whole peer with the swarm.
         ``batch_size``: the samples the whole peer (all ranks together) trained on in this step."""
+        self._apply_lr_schedule()
         self.inner.step()
         self.local_step += 1
         if self.local_step % self.local_steps == 0:
@@ -300,8 +316,14 @@ class ShardedDiLoCo:
             self.inner.state[p] = state
 
     def _mirror_lrs(self) -> None:
+        """The LRs this rank's inner optimizer used into the proxy's, which newcomers download."""
         for group, mirror in zip(self.inner.param_groups, self.diloco.param_groups):
             mirror["lr"] = group["lr"]
+
+    def _apply_lr_schedule(self) -> None:
+        """The inner LRs for ``local_step`` (the next step's); the same on every rank, whose counters agree."""
+        if self.inner_lr_schedule is not None:
+            scale_lrs(self.inner.param_groups, self.inner_lr_schedule(self.local_step))
 
     @torch.no_grad()
     def broadcast_global(self) -> None:
@@ -383,6 +405,7 @@ class ShardedDiLoCo:
             counters[:] = torch.tensor([self.diloco.local_step, self.diloco.outer_step])
         dist.broadcast(counters, src=0)
         self.local_step, self.outer_step = int(counters[0]), int(counters[1])
+        self._apply_lr_schedule()  # the LRs follow the counters (a catch-up or a load may have moved them)
 
     def global_state(self) -> Dict[str, Any]:
         """The leader's global parameters (full, fp32, CPU); empty on the other ranks."""

@@ -31,6 +31,7 @@ from p2ptrain.hsdp import (
     shard_model,
 )
 from p2ptrain.outer import make_outer_optimizer
+from p2ptrain.schedules import inner_lr_schedule, outer_lr_schedule
 
 if TYPE_CHECKING:
     from p2ptrain.config import RunConfig, TrainConfig
@@ -155,6 +156,8 @@ def _optimizer_factories(cfg: RunConfig, dht, publisher: Optional[ProgressPublis
         no_group_policy=diloco_cfg.no_group_policy,
         batch_size=cfg.train.batch_size,
         progress=publisher,
+        inner_lr_schedule=inner_lr_schedule(diloco_cfg),
+        outer_lr_schedule=outer_lr_schedule(diloco_cfg),
     )
     return inner, make_diloco
 
@@ -224,11 +227,13 @@ class HsdpMesh(PeerRanks):
     def build_optimizer(self, model, cfg, dht, publisher) -> None:
         inner, make_diloco = _optimizer_factories(cfg, dht, publisher)
         shard_model(model, self.mesh)
-        # the ranks catch up together at a sync, never one of them mid-phase
+        # the ranks catch up together at a sync, never one of them mid-phase; the inner LR schedule drives the
+        # ranks' inner optimizers, not the leader's proxy (which never steps)
         diloco = (lambda params, proxy_inner:
-                  make_diloco(params, inner_optimizer=proxy_inner, catch_up_mid_phase=False))
+                  make_diloco(params, inner_optimizer=proxy_inner, catch_up_mid_phase=False, inner_lr_schedule=None))
         self.optimizer = ShardedDiLoCo(model, inner_optimizer=inner, local_steps=cfg.diloco.local_steps,
-                                       diloco=diloco if self.leader else None)
+                                       diloco=diloco if self.leader else None,
+                                       inner_lr_schedule=inner_lr_schedule(cfg.diloco))
 
     def broadcast(self, obj: Any) -> Any:
         return broadcast_object(obj)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -14,6 +15,14 @@ from p2ptrain.data import ShardedBatches
 from p2ptrain.health import write_atomically
 
 logger = logging.getLogger(__name__)
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss): the perplexity of a mean cross-entropy loss (inf where it overflows, NaN for NaN)."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
 
 
 @dataclass
@@ -36,6 +45,7 @@ class WorkerReport:
     local_steps: int = 0
     initial_eval_loss: float = float("nan")
     final_eval_loss: float = float("nan")
+    """``to_dict`` adds ``initial_perplexity`` and ``final_perplexity``: exp of these two losses"""
     wall_s: float = 0.0
     samples: int = 0
     maddrs: List[str] = field(default_factory=list)
@@ -67,17 +77,36 @@ class WorkerReport:
     the position in it (``data_position``: epoch, sample), the cumulative ``compute_s`` at that point, and this
     peer's libp2p connections then (``direct``, ``relayed``). A round joined with weight 0 while taking the swarm's
     state at start is one too (``caught_up``)"""
+    evals: List[Dict[str, Any]] = field(default_factory=list)
+    """the held-out evals of --eval-every, in order: ``local_step``, ``outer_step``, ``eval_loss``, ``perplexity``"""
+    grad_norm: Optional[float] = None
+    """the gradient's global norm before clipping at the last inner step (with --grad-clip; None without)"""
 
     def to_dict(self) -> Dict[str, Any]:
-        return dict(self.__dict__)
+        report = dict(self.__dict__)
+        # derived here, so they can never disagree with the losses
+        report["initial_perplexity"] = perplexity(self.initial_eval_loss)
+        report["final_perplexity"] = perplexity(self.final_eval_loss)
+        return report
+
+    def add_eval(self, *, local_step: int, outer_step: int, eval_loss: float) -> Dict[str, Any]:
+        """One entry of ``evals``; returns it."""
+        entry = dict(local_step=local_step, outer_step=outer_step, eval_loss=eval_loss,
+                     perplexity=perplexity(eval_loss))
+        self.evals.append(entry)
+        return entry
 
     def add_round(self, record, batches: ShardedBatches, eval_loss: float, eval_s: float = 0.0,
-                  connections: Optional[Dict[str, int]] = None) -> None:
-        """One entry of ``rounds`` for ``record`` (a ``SyncRecord``), with where this peer is in its data."""
+                  connections: Optional[Dict[str, int]] = None, schedule: Optional[Dict[str, float]] = None) -> None:
+        """One entry of ``rounds`` for ``record`` (a ``SyncRecord``), with where this peer is in its data and, in
+        ``schedule``, where it is in the LR schedules after the round (``local_step``, the ``inner_lr`` and
+        ``outer_lr`` the next steps use)."""
         entry = record.to_dict()
+        entry.update(schedule or {})
         entry["shard_index"] = batches.shard_index
         entry["data_position"] = [batches.epoch, batches.position]
         entry["eval_loss"] = eval_loss
+        entry["perplexity"] = perplexity(eval_loss)
         entry["eval_s"] = eval_s  # the held-out eval after the round: neither compute nor sync
         entry["compute_s"] = self.compute_s  # cumulative, so any window of rounds has its compute time
         if connections is not None:

@@ -22,6 +22,7 @@ from p2ptrain.diloco.rounds import Position, Rounds, RoundSettings
 from p2ptrain.diloco.state import StateSharingMixin, _SnapshotRequest
 from p2ptrain.finite import all_finite
 from p2ptrain.outer import add_error_feedback_, outer_step_, pseudo_gradient_
+from p2ptrain.schedules import Schedule, scale_lrs
 from p2ptrain.swarm.progress import ProgressPublisher
 
 logger = logging.getLogger(__package__)  # one logger name for the whole optimizer, as users grep for it
@@ -69,6 +70,18 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
       several ranks, whose ranks catch up together at a sync (``hsdp.ShardedDiLoCo``)
     :param max_norm_ratio: a peer's part of the all-reduce (or a reducer's average) whose norm exceeds this many
       times this peer's own values over the same range is refused and the peer excluded for a while; None: no bound
+    :param inner_lr_schedule: ``local_step -> factor`` of each inner param group's base learning rate (see
+      ``p2ptrain/schedules.py``), applied before every inner step; None: the inner optimizer's LRs are left alone
+    :param outer_lr_schedule: ``outer_step -> factor`` of the outer optimizer's base learning rate, applied before
+      every outer step; None: left alone
+
+    Learning-rate schedules: the base LR of a param group is its ``lr`` when the schedule first sees it, kept as
+    ``group["initial_lr"]`` (as torch's LR schedulers do, so it is in checkpoints too). A schedule's LR is a pure
+    function of ``local_step`` or ``outer_step``, which checkpoints (``state_dict``) and the state newcomers download
+    carry, so a resumed peer or a newcomer continues the swarm's schedule exactly; it is applied again right after
+    either kind of load, so ``param_groups[i]["lr"]`` is always the one the next step will use. Use these instead
+    of a ``torch.optim.lr_scheduler`` on this optimizer: such a scheduler counts its own steps, which a newcomer
+    does not take with the state.
     """
 
     def __init__(
@@ -95,6 +108,8 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         progress: Optional[ProgressPublisher] = None,
         max_norm_ratio: Optional[float] = 10.0,
         catch_up_mid_phase: bool = True,
+        inner_lr_schedule: Optional[Schedule] = None,
+        outer_lr_schedule: Optional[Schedule] = None,
     ):
         _check_arguments(local_steps=local_steps, no_group_policy=no_group_policy,
                          matchmaking_time_s=matchmaking_time_s, averaging_timeout_s=averaging_timeout_s,
@@ -114,6 +129,7 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
             for p in self.params
         ]
         self.outer_optimizer = outer_optimizer(self.global_params)
+        self.inner_lr_schedule, self.outer_lr_schedule = inner_lr_schedule, outer_lr_schedule
 
         self.dht, self.run_id = dht, run_id
         self.local_steps = local_steps
@@ -125,6 +141,7 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         self.batch_size = batch_size
         self.local_step = 0
         self.outer_step = 0
+        self._apply_lr_schedules()  # records the base LRs before anything else can change them
         self._committed_local_step = 0  # local step at which the last outer step was taken
         self._donor_in_round = False  # the last downloaded state came from peers in the middle of a round
         self.samples_since_sync = 0
@@ -211,6 +228,7 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         """One inner step; every ``local_steps`` inner steps, also a sync. Returns what the closure returned."""
         self._require_started()
         with self._state_lock:
+            self._apply_lr_schedules()  # local_step may have jumped since the last step (a catch-up)
             loss = self.inner_optimizer.step(closure)
             self.local_step += 1
         self._serve_snapshot_request()  # a donor snapshot asked for since the last step: copy it now, on this core
@@ -245,6 +263,10 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         if state_dict["inner"] is not None:  # None: the caller restores the inner optimizer itself (sharded peers)
             self.inner_optimizer.load_state_dict(state_dict["inner"])
+        # torch's load_state_dict replaces the inner optimizer's param_groups and state with new objects (here, or
+        # the caller's load of a sharded checkpoint): share them again
+        self.param_groups = self.inner_optimizer.param_groups
+        self.state = self.inner_optimizer.state
         self.outer_optimizer.load_state_dict(state_dict["outer"])
         with torch.no_grad():
             for g, saved in zip(self.global_params, state_dict["global_params"], strict=True):
@@ -257,6 +279,23 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         self.samples_since_sync = state_dict["samples_since_sync"]
         self._steps_since_sync = self.local_step % self.local_steps
         self._reset_residuals()
+        self._apply_lr_schedules()
+
+    def load_state_from_peers(self, timeout_s: float = 120.0) -> bool:
+        """``StateSharingMixin.load_state_from_peers``, then this peer's schedules at the counters it took (the
+        donor's LRs came with them, but the schedules are this peer's to apply)."""
+        loaded = super().load_state_from_peers(timeout_s)
+        if loaded:
+            with self._state_lock:
+                self._apply_lr_schedules()
+        return loaded
+
+    def _apply_lr_schedules(self) -> None:
+        """Set the inner and outer LRs for the current ``local_step`` and ``outer_step`` (the next steps')."""
+        if self.inner_lr_schedule is not None:
+            scale_lrs(self.inner_optimizer.param_groups, self.inner_lr_schedule(self.local_step))
+        if self.outer_lr_schedule is not None:
+            scale_lrs(self.outer_optimizer.param_groups, self.outer_lr_schedule(self.outer_step))
 
     # ------------------------------------------------------------------------------------------------- the sync
 
@@ -341,6 +380,7 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
     def _apply(self, started: float, result: Optional[RoundResult], attempts: int, **flags) -> SyncRecord:
         """The outer step with what the buffers hold (the group's average, or our own pseudo-gradient)."""
         with self.averager.get_tensors() as buffers, self._state_lock:
+            self._apply_lr_schedules()  # the outer step counter may have jumped since the last one (a catch-up)
             outer_step_(self.outer_optimizer, self.global_params, buffers, self.params)
             self.outer_step += 1
             self._committed_local_step = self.local_step
