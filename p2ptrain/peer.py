@@ -13,25 +13,27 @@ import json
 import logging
 import threading
 import time
+from functools import partial
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
 from p2ptrain.checkpoint import resume_state
 from p2ptrain.config import ConfigError, RunConfig, default_threads
-from p2ptrain.data import ShardedBatches, eval_batches, load_corpus, phase_shortfall, split_train_val
+from p2ptrain.data import ShardedBatches, eval_batches, phase_shortfall, token_unit
 from p2ptrain.data_shards import DataShardTracker
 from p2ptrain.health import Heartbeat, write_atomically
 from p2ptrain.lifeline import follow_parent
 from p2ptrain.memory import GiB, check_memory
-from p2ptrain.model import build_model, model_config
+from p2ptrain.model_source import ModelSpec, build_from_spec, resolve_model
 from p2ptrain.ranks import LocalRanks, PeerRanks, start_ranks
 from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht, visible_maddrs
 from p2ptrain.swarm.progress import ProgressPublisher
 from p2ptrain.swarm.reachability import connection_counts
 from p2ptrain.swarm.shards import claim_shard
-from p2ptrain.train_loop import TrainLoop, evaluate_held_out
+from p2ptrain.train_loop import TrainLoop, compile_model, evaluate_held_out
+from p2ptrain.training_data import load_training_data
 from p2ptrain.worker_report import WorkerReport
 
 __all__ = ["Worker", "WorkerReport", "pick_device", "run_bootstrap"]
@@ -105,20 +107,22 @@ class Worker:
         train_cfg = cfg.train
         torch.set_num_threads(train_cfg.threads or default_threads())
         device = pick_device(train_cfg.device)
-        # read the data and the checkpoint before joining: bad input must fail before any process is started
-        train_bytes, val_bytes = split_train_val(load_corpus(train_cfg.data or None))
+        # read the model, the data and the checkpoint before joining: bad input must fail before any process starts
         position = LocalRanks.from_env()
+        spec = resolve_model(train_cfg.model, train_cfg.seq_len)
+        data = load_training_data(train_cfg, spec, show_progress=self.show_progress and position.leader)
+        self.report.model = spec.identity
         if position.world > 1:
             # torchrun starts each rank in a session of its own: if its agent is SIGKILLed, nothing else stops it
             follow_parent()
         resumed = None
         if self.resume:
-            resumed = resume_state(train_cfg.checkpoint_dir, cfg.run_id, model=train_cfg.model,
+            resumed = resume_state(train_cfg.checkpoint_dir, cfg.run_id, model=spec.identity,
                                    num_shards=train_cfg.num_shards, sharded_peer=position.world > 1)
         ranks = self.ranks = start_ranks(position, device, train_cfg)
 
         if train_cfg.memory_check:
-            estimate = check_memory(model_config(train_cfg.model), train_cfg.batch_size, ranks.world,
+            estimate = check_memory(spec, train_cfg.micro_batch_size or train_cfg.batch_size, ranks.world,
                                     train_cfg.shard_size or ranks.world, device,
                                     train_cfg.activation_checkpointing, leader=ranks.leader)
             logger.info(f"memory (estimated): {estimate.rank_bytes / GiB:.2f} GiB per rank on {device}, "
@@ -128,14 +132,14 @@ class Worker:
         self._phase = "joining"
         dht = self._dht = start_dht(cfg.swarm) if ranks.leader else None
         try:
-            publisher = self._join_swarm(dht, resumed) if ranks.leader else None
+            publisher = self._join_swarm(dht, resumed, spec) if ranks.leader else None
             shard_index = ranks.broadcast(publisher.shard_index if publisher else None)
             self.report.shard_index = shard_index
             shards = DataShardTracker(cfg.run_id, ranks, self.report, pinned=train_cfg.shard_index is not None,
                                       dht=dht, publisher=publisher)
-            block_size = model_config(train_cfg.model).block_size
+            block_size = spec.seq_len
             batches = shards.batches = ShardedBatches(
-                train_bytes,
+                data.train,
                 block_size=block_size,
                 batch_size=train_cfg.batch_size,
                 shard_index=shard_index,
@@ -144,16 +148,19 @@ class Worker:
                 # a peer pinned to a data shard (--shard-index) stays on it; the others move on after each pass
                 on_epoch_end=None if shards.pinned else shards.on_epoch_end,
             )
-            shortfall = phase_shortfall(len(train_bytes), train_cfg.num_shards, block_size,
-                                        cfg.diloco.local_steps, train_cfg.batch_size, shard_index)
+            shortfall = phase_shortfall(len(data.train), train_cfg.num_shards, block_size,
+                                        cfg.diloco.local_steps, train_cfg.batch_size, shard_index,
+                                        unit=token_unit(data.train))
             if shortfall and ranks.leader:
                 logger.warning(shortfall)
-            held_out = eval_batches(val_bytes, block_size, train_cfg.batch_size, train_cfg.eval_batches)
+            held_out = eval_batches(data.held_out, block_size, train_cfg.batch_size, train_cfg.eval_batches)
 
-            model = build_model(train_cfg.model, seed=train_cfg.seed).to(device)
+            model = build_from_spec(spec, seed=train_cfg.seed).to(device)
             model.activation_checkpointing = train_cfg.activation_checkpointing
             self.report.num_parameters = model.num_parameters()
             ranks.build_optimizer(model, cfg, dht, publisher)
+            if train_cfg.compile:  # after sharding: FSDP2's hooks are in place, and compiled around
+                compile_model(model)
             opt = ranks.optimizer
             if self._stop.is_set():  # a signal arrived while the optimizer was being built
                 opt.interrupt()
@@ -162,7 +169,8 @@ class Worker:
             joined_rounds = self._catch_up()
             shards.continue_from_cursor()
             shards.note("resumed" if resumed is not None else "claimed")
-            self.report.initial_eval_loss = evaluate_held_out(model, held_out, device)
+            evaluate = partial(evaluate_held_out, model, held_out, device, train_cfg.precision)
+            self.report.initial_eval_loss = evaluate()
             self.report.start_outer_step = opt.outer_step
             if ranks.leader:
                 for record in joined_rounds:
@@ -172,10 +180,11 @@ class Worker:
                 f"{device} x {ranks.world} rank(s), shard {shard_index}/{train_cfg.num_shards}, "
                 f"eval loss {self.report.initial_eval_loss:.4f}"
             )
-            self._checkpoint_parts = (model, batches)
+            self._checkpoint_parts = (model, batches, spec, data.tokenizer)
             self._phase = "training"
             loop = TrainLoop(train_cfg, ranks, self.report, stop=self._stop, show_progress=self.show_progress,
-                             started=started, after_round=lambda: self._after_round(model, shards, held_out, device))
+                             started=started, after_round=lambda: self._after_round(model, shards, evaluate),
+                             evaluate=evaluate if train_cfg.eval_every else None)
             loop.run(model, batches, device)
             self._phase = "leaving"
             # only on a normal exit (done or signalled): after an exception the state may be half-updated
@@ -191,7 +200,7 @@ class Worker:
             self._write_report()
         return self.report
 
-    def _join_swarm(self, dht, resumed: Optional[dict]) -> ProgressPublisher:
+    def _join_swarm(self, dht, resumed: Optional[dict], spec: ModelSpec) -> ProgressPublisher:
         """Log who we are and how to reach us, and settle which data shard this peer trains on."""
         cfg = self.config
         peer_id = dht.peer_id.to_base58()
@@ -204,11 +213,11 @@ class Worker:
         self._write_report()
         logger.info(f"[{peer_id}] effective config: {json.dumps(cfg.to_dict(), sort_keys=True)}")
         publisher = ProgressPublisher(dht, cfg.run_id)
-        # the model in words (a refused newcomer is told what differs) and this worker's own settings (status)
-        shape = model_config(cfg.train.model)
+        # the model in words (a refused newcomer is told what differs; its identity covers a Hugging Face model's
+        # whole architecture config) and this worker's own settings (status)
         publisher.settings = dict(
-            model=cfg.train.model, n_layer=shape.n_layer, n_embd=shape.n_embd, n_head=shape.n_head,
-            block_size=shape.block_size, vocab_size=shape.vocab_size, seed=cfg.train.seed,
+            model=spec.identity, n_layer=spec.n_layer, n_embd=spec.n_embd, n_head=spec.n_head,
+            block_size=spec.seq_len, vocab_size=spec.vocab_size, seed=cfg.train.seed,
             data=", ".join(cfg.train.data)[:200] if cfg.train.data else "built-in corpus",
             batch_size=cfg.train.batch_size, threads=torch.get_num_threads(),
         )
@@ -233,7 +242,7 @@ class Worker:
             self.report.state_download = opt.last_download
         return [r for r in opt.history[records_before:] if r.averaged]
 
-    def _after_round(self, model: torch.nn.Module, shards: DataShardTracker, held_out, device: torch.device) -> None:
+    def _after_round(self, model: torch.nn.Module, shards: DataShardTracker, evaluate: Callable[[], float]) -> None:
         """After a round that moved the outer step, on every rank: data shards and their cursors, the checkpoint
         every ``checkpoint_every`` outer steps, the held-out eval, the report."""
         opt = self.ranks.optimizer
@@ -241,7 +250,7 @@ class Worker:
         if opt.outer_step % self.config.train.checkpoint_every == 0:
             self._save_checkpoint(f"outer step {opt.outer_step}")
         eval_started = time.perf_counter()
-        eval_loss = evaluate_held_out(model, held_out, device)  # on every rank: a sharded forward
+        eval_loss = evaluate()  # on every rank: a sharded forward
         eval_s = time.perf_counter() - eval_started
         model.train()
         self.report.outer_steps = opt.outer_step
@@ -251,7 +260,12 @@ class Worker:
 
     def _report_round(self, record, batches: ShardedBatches, eval_loss: float, eval_s: float = 0.0) -> None:
         connections = connection_counts(self._dht) if self._dht is not None else None
-        self.report.add_round(record, batches, eval_loss, eval_s, connections)
+        opt = self.ranks.optimizer
+        schedule = {"local_step": opt.local_step, "inner_lr": opt.param_groups[0]["lr"]}
+        outer = getattr(opt, "diloco", opt)  # a sharded peer's leader holds the swarm-side optimizer
+        if outer is not None:
+            schedule["outer_lr"] = outer.outer_optimizer.param_groups[0]["lr"]
+        self.report.add_round(record, batches, eval_loss, eval_s, connections, schedule)
         self._write_report()
 
     def _write_report(self) -> None:
@@ -278,10 +292,15 @@ class Worker:
         directory = self.config.train.checkpoint_dir
         if not directory or self._checkpoint_parts is None:
             return
-        model, batches = self._checkpoint_parts
+        model, batches, spec, tokenizer = self._checkpoint_parts
         meta = {
             "run_id": self.config.run_id,
-            "model": self.config.train.model,
+            "model": spec.identity,
+            # what export and generate need to rebuild the model without the run's config
+            "model_source": spec.source,
+            "hf_config": spec.hf_config,
+            "seq_len": spec.seq_len,
+            "tokenizer": tokenizer,
             "num_shards": self.config.train.num_shards,
             "shard_index": batches.shard_index,
             "data": batches.state_dict(),

@@ -136,3 +136,27 @@ def test_keygen_writes_a_key_and_refuses_to_overwrite_it(tmp_path):
     assert_bad_input(p2ptrain("keygen", str(key)), "already exists", "never overwrites")
     assert key.read_text() == first  # the run's key is not lost
     assert_bad_input(p2ptrain("keygen", str(tmp_path / "missing" / "swarm.key")), "cannot create", "writable path")
+
+
+@pytest.mark.parametrize("case, fragments", [
+    ("folder without config.json", ["has no config.json"]),
+    ("hub id, no internet", ["owner/tiny-llama", "cannot be reached"]),
+    ("text field not in the data", ["no field 'body'", "(its fields: text, id)", "pass --text-field NAME"]),
+    ("tokenizer larger than the embedding", ["has 300 tokens", "256 rows", "vocab_size >= 300"]),
+    ("factory returns no module", ["not a torch.nn.Module"]),
+])
+def test_bad_model_and_data_sources(tmp_path, case, fragments):
+    """The user's own model and data (issue 17): each mistake is refused before the swarm is joined."""
+    pytest.importorskip("transformers")
+    from tests.hf_fixtures import documents, train_tokenizer, write_jsonl
+
+    docs = write_jsonl(tmp_path / "docs.jsonl", documents(40))
+    args = {
+        "folder without config.json": ["--model", str(tmp_path)],
+        "hub id, no internet": ["--model", "owner/tiny-llama"],
+        "text field not in the data": ["--data", str(docs), "--text-field", "body"],
+        "tokenizer larger than the embedding": ["--data", str(docs),  # the built-in byte model embeds 256 ids
+                                                "--tokenizer", str(train_tokenizer(tmp_path / "tok", documents(200)))],
+        "factory returns no module": ["--model", "tests.models.factories:not_a_module"],
+    }[case]
+    assert_bad_input(p2ptrain("join", *args), *fragments)  # this host (and CI's) reaches no model hub
