@@ -24,6 +24,7 @@ from p2ptrain.cli.options import (EXIT_BAD_INPUT, HEALTH_FILE_OPTION, RUN_OPTION
                                   load_run_config, run_options)
 from p2ptrain.cli.processes import EXIT_FORCED, install_stop_handlers, run_ranks
 from p2ptrain.cli.status import fetch_status, print_status
+from p2ptrain.config import HUB_ID_PATTERN
 
 logger = logging.getLogger("p2ptrain.cli")
 
@@ -87,9 +88,9 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
     """Join a run as a training peer."""
     config = load_run_config(ctx, config_path, params)  # first: a bad flag is reported before the heavy imports
     for path in config.train.data:  # data.py says the same, after the heavy imports (5 s later)
-        if not os.path.exists(path):
-            raise BadInput(f"--data {path}: no such file or folder; point --data at a UTF-8 text file or a folder "
-                           "of .txt files")
+        if not os.path.exists(path) and not HUB_ID_PATTERN.match(path):
+            raise BadInput(f"--data {path}: no such file or folder; point --data at .txt, .jsonl, .parquet or .arrow "
+                           "files, folders of them, or a Hugging Face dataset (owner/name)")
     from p2ptrain.checkpoint import CheckpointError
     from p2ptrain.config import ConfigError, expand_hostname
     from p2ptrain.data import DataError
@@ -269,6 +270,47 @@ def demo(workers: int, outer_steps: int, local_steps: int, model: str, json_path
     except DaemonError as e:
         click.echo(f"Error: {e}", err=True)
         sys.exit(1)
+
+
+@cli.command()
+@click.argument("checkpoint", type=click.Path(exists=True, dir_okay=False))
+@click.argument("out_dir", type=click.Path(file_okay=False))
+def export(checkpoint: str, out_dir: str) -> None:
+    """Write the swarm's model in CHECKPOINT (a 1-rank peer's <run-id>.pt) to OUT_DIR as safetensors: for a Hugging
+    Face model a folder that AutoModelForCausalLM.from_pretrained loads, its tokenizer beside it."""
+    from p2ptrain.checkpoint import CheckpointError
+    from p2ptrain.config import ConfigError
+    from p2ptrain.data import DataError
+    from p2ptrain.export import export_checkpoint
+
+    try:
+        out = export_checkpoint(checkpoint, out_dir)
+    except (CheckpointError, ConfigError, DataError) as e:
+        raise BadInput(str(e)) from None
+    click.echo(f"exported {checkpoint} to {out}")
+
+
+@cli.command()
+@click.argument("source", type=click.Path(exists=True))
+@click.option("--prompt", default="", help="The text to continue.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=100, help="Tokens to sample.")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.8, help="Sampling temperature; 0: greedy.")
+@click.option("--top-k", type=click.IntRange(min=0), default=50, help="Sample among the k likeliest tokens; 0: all.")
+@click.option("--seed", type=int, default=0, help="Sampling seed.")
+def generate(source: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> None:
+    """Sample text from SOURCE: a checkpoint file or a folder written by export."""
+    from p2ptrain.checkpoint import CheckpointError
+    from p2ptrain.config import ConfigError
+    from p2ptrain.data import DataError
+    from p2ptrain.export import generate as sample, load_for_generation
+
+    try:
+        loaded = load_for_generation(source)
+    except (CheckpointError, ConfigError, DataError) as e:
+        raise BadInput(str(e)) from None
+    text = sample(loaded, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k or None,
+                  seed=seed)
+    click.echo(prompt + text)
 
 
 REMOVED_FLAGS = {

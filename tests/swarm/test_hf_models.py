@@ -77,6 +77,20 @@ def test_a_module_factory_model_trains_the_same_way(tmp_path):
     reports = run_two(tmp_path, "factory", "--model", "tests.models.factories:tiny_recurrent_lm", "--data", str(data))
     assert_trained_together(reports, 3)
 
+    out = tmp_path / "exported"
+    result = p2ptrain("export", str(tmp_path / "ck1" / "factory.pt"), str(out))
+    assert result.returncode == 0, result.stderr
+    from p2ptrain.export import load_for_generation
+
+    exported = list(load_for_generation(out).model.parameters())  # a fresh model with model.safetensors loaded
+    swarm = torch.load(tmp_path / "ck1" / "factory.pt", map_location="cpu", weights_only=True)["optimizer"]
+    assert len(exported) == len(swarm["global_params"])
+    assert all(torch.equal(p.detach(), g) for p, g in zip(exported, swarm["global_params"]))
+    for source in (out, tmp_path / "ck1" / "factory.pt"):  # an exported folder, or the checkpoint itself
+        result = p2ptrain("generate", str(source), "--prompt", "the ", "--max-new-tokens", "20", "--seed", "1")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("the ") and len(result.stdout) > len("the ") + 1
+
 
 def test_a_newcomer_resumes_the_lr_schedule_and_the_data_cursor(tmp_path):
     """Worker 1 leaves at outer step 2 of a cosine schedule and worker 2 joins: it takes worker 1's data shard where

@@ -160,3 +160,11 @@ def test_bad_model_and_data_sources(tmp_path, case, fragments):
         "factory returns no module": ["--model", "tests.models.factories:not_a_module"],
     }[case]
     assert_bad_input(p2ptrain("join", *args), *fragments)  # this host (and CI's) reaches no model hub
+
+
+def test_export_and_generate_refuse_what_is_not_a_checkpoint(tmp_path):
+    notes = tmp_path / "notes.pt"
+    notes.write_text("not a checkpoint")
+    assert_bad_input(p2ptrain("export", str(notes), str(tmp_path / "out")), str(notes))
+    assert not (tmp_path / "out").exists()  # nothing half-written
+    assert_bad_input(p2ptrain("generate", str(tmp_path)), "neither a checkpoint file nor a folder written by")
