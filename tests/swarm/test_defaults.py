@@ -82,6 +82,7 @@ def rounds_by_outer_step(reports: List[dict]) -> Dict[int, List[tuple]]:
     return by_step
 
 
+@pytest.mark.slow  # a minute on 2 cores: the default suite must stay under 10 minutes (CI runs it after)
 def test_two_workers_started_seconds_apart_train_together_with_the_defaults(tmp_path):
     """Two `join`s 3 s apart: every round is a round of both, it starts as soon as the later one arrives, together
     they cover all of the user's data, and the eval loss falls about as far as one process trained on all of it."""

@@ -138,6 +138,7 @@ def test_keygen_writes_a_key_and_refuses_to_overwrite_it(tmp_path):
     assert_bad_input(p2ptrain("keygen", str(tmp_path / "missing" / "swarm.key")), "cannot create", "writable path")
 
 
+@pytest.mark.slow  # 5 CLI starts with the Hugging Face stack: 30 s the 10-minute default suite cannot spare
 @pytest.mark.parametrize("case, fragments", [
     ("folder without config.json", ["has no config.json"]),
     ("hub id, no internet", ["owner/tiny-llama", "cannot be reached"]),
