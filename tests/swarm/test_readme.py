@@ -73,6 +73,12 @@ RUN: Dict[str, str] = {
 # the shell commands that are not run here, and why
 NOT_RUN: Dict[str, str] = {
     r"make test": "it would run this suite from inside itself; CI runs it (.ci/run)",
+    r"pip install 'p2ptrain\[hf\]'": "installs packages from the registry; `make setup` installs the [hf] extra "
+                                      "the tests use",
+    r"p2ptrain (join --initial-peers ADDR --run-id llama-run|export ckpt/llama-run\.pt|generate exported/) .*":
+        "needs a Hugging Face model folder and a corpus; the same path (a Llama folder, jsonl data, --seq-len, the "
+        "LR schedule, export, from_pretrained, generate) runs with a tiny Llama and data made in the test in "
+        "tests/swarm/test_hf_models.py (slow)",
     r"(sudo )?docker.*|cd docker": "needs a Docker engine (root, debootstrap, a kernel that runs containers); the "
                                    "same build, compose up/scale/kill/stop/down and `p2ptrain status` in a container "
                                    "are run by tests/docker/test_compose.py (make test-docker, in CI where a Docker "
