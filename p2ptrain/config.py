@@ -372,6 +372,15 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[Dict[str,
     return config
 
 
+def multi_rank_problem(train, nproc: int) -> str:
+    """Why this training config (``RunConfig.train``) cannot run as a peer of ``nproc`` ranks, or an empty string."""
+    if train.batch_size % nproc:
+        return f"--batch-size {train.batch_size} does not split over {nproc} ranks; use a multiple of {nproc}"
+    if train.shard_size is not None and nproc % train.shard_size:
+        return f"--shard-size {train.shard_size} does not divide --nproc-per-node {nproc}; use a divisor"
+    return ""
+
+
 def expand_hostname(path: Optional[str]) -> Optional[str]:
     """``{hostname}`` in a path becomes this host's name: peers that share a volume (containers of one compose
     service) each keep their files apart, and a restarted container finds its own again. None stays None."""

@@ -46,15 +46,6 @@ if TYPE_CHECKING:
     from p2ptrain.ranks import LocalRanks
 
 
-def multi_rank_problem(train, nproc: int) -> str:
-    """Why this training config (``RunConfig.train``) cannot run as a peer of ``nproc`` ranks, or an empty string."""
-    if train.batch_size % nproc:
-        return f"--batch-size {train.batch_size} does not split over {nproc} ranks; use a multiple of {nproc}"
-    if train.shard_size is not None and nproc % train.shard_size:
-        return f"--shard-size {train.shard_size} does not divide --nproc-per-node {nproc}; use a divisor"
-    return ""
-
-
 def gpu_count_problem(train, nproc: int) -> str:
     """Why ``nproc`` ranks cannot each have a GPU of their own on this host (CUDA devices only), or ''."""
     if not (train.device.startswith("cuda") or (train.device == "auto" and torch.cuda.is_available())):

@@ -20,14 +20,13 @@ import torch
 import torch.distributed as dist
 
 from p2ptrain.checkpoint import checkpoint_path, save_checkpoint, sharded_checkpoint_dir
-from p2ptrain.config import ConfigError
+from p2ptrain.config import ConfigError, multi_rank_problem
 from p2ptrain.diloco import DiLoCoOptimizer
 from p2ptrain.hsdp import (
     ShardedDiLoCo,
     broadcast_object,
     init_ranks,
     load_sharded_into_one_rank,
-    multi_rank_problem,
     shard_model,
 )
 from p2ptrain.outer import make_outer_optimizer

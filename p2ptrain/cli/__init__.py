@@ -24,7 +24,7 @@ from p2ptrain.cli.options import (EXIT_BAD_INPUT, HEALTH_FILE_OPTION, RUN_OPTION
                                   load_run_config, run_options)
 from p2ptrain.cli.processes import EXIT_FORCED, install_stop_handlers, run_ranks
 from p2ptrain.cli.status import fetch_status, print_status
-from p2ptrain.config import HUB_ID_PATTERN
+from p2ptrain.config import HUB_ID_PATTERN, multi_rank_problem
 
 logger = logging.getLogger("p2ptrain.cli")
 
@@ -87,6 +87,8 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
          health_file: Optional[str], nproc_per_node: int, **params) -> None:
     """Join a run as a training peer."""
     config = load_run_config(ctx, config_path, params)  # first: a bad flag is reported before the heavy imports
+    if nproc_per_node > 1 and "LOCAL_RANK" not in os.environ and multi_rank_problem(config.train, nproc_per_node):
+        raise BadInput(multi_rank_problem(config.train, nproc_per_node))  # a config check: no torch needed
     for path in config.train.data:  # data.py says the same, after the heavy imports (5 s later)
         if not os.path.exists(path) and not HUB_ID_PATTERN.match(path):
             raise BadInput(f"--data {path}: no such file or folder; point --data at .txt, .jsonl, .parquet or .arrow "
@@ -100,9 +102,9 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
 
     setup_hivemind_logging()
     if nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
-        from p2ptrain.hsdp import gpu_count_problem, multi_rank_problem
+        from p2ptrain.hsdp import gpu_count_problem
 
-        problem = multi_rank_problem(config.train, nproc_per_node) or gpu_count_problem(config.train, nproc_per_node)
+        problem = gpu_count_problem(config.train, nproc_per_node)
         if problem:
             raise BadInput(problem)
         run_ranks(nproc_per_node)  # does not return: torchrun starts the ranks, each runs this command

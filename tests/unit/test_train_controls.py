@@ -137,6 +137,7 @@ def test_autocast_on_cpu(precision, enabled, dtype):
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                     reason="torch.compile on CPU needs a C compiler")
+@pytest.mark.slow  # Inductor's first compile and C build: 12 s of the 10-minute default suite
 def test_compile_keeps_state_dict_keys_and_outputs():
     model = build_model("tiny")
     x, y = batch(rows=2)
