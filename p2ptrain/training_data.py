@@ -16,10 +16,9 @@ from typing import Union
 from p2ptrain.config import TrainConfig
 from p2ptrain.data import DataError, builtin_corpus_paths, load_corpus, split_train_val
 from p2ptrain.model_source import ModelSpec
-from p2ptrain.tokens import TokenFile, load_tokenizer, tokenize_to_cache
+from p2ptrain.tokens import BYTES, SUFFIXES, TokenFile, load_tokenizer, tokenize_to_cache
 
-BYTES = "bytes"
-RECORD_SUFFIXES = (".jsonl", ".parquet", ".arrow")
+RECORD_SUFFIXES = tuple(suffix for suffix in SUFFIXES if suffix != ".txt")
 
 
 @dataclass
@@ -53,16 +52,13 @@ def load_training_data(train: TrainConfig, spec: ModelSpec, *, show_progress: bo
     """The data ``train`` names, tokenized for ``spec``'s model, split into training and held-out parts. Raises
     DataError (one line, with the fix) for data or a tokenizer that cannot be used with this model."""
     name = tokenizer_name(train, spec)
-    if name == BYTES and _plain_text(train.data):
-        if spec.vocab_size < 256:
-            raise DataError(f"bytes need a vocabulary of 256 tokens, but --model {spec.source} has {spec.vocab_size}; "
-                            "pass the model's --tokenizer")
-        return TrainingData(*split_train_val(load_corpus(train.data or None), val_fraction), tokenizer=BYTES)
-    tokenizer = load_tokenizer(name)
+    tokenizer = load_tokenizer(name)  # bytes: ByteTokenizer, 256 ids, no Hugging Face import
     if tokenizer.vocab_size > spec.vocab_size:
         raise DataError(f"--tokenizer {name} has {tokenizer.vocab_size} tokens, more than the {spec.vocab_size} rows "
                         f"of --model {spec.source}'s embedding; use the model's own tokenizer or a model with "
                         f"vocab_size >= {tokenizer.vocab_size}")
+    if name == BYTES and _plain_text(train.data):
+        return TrainingData(*split_train_val(load_corpus(train.data or None), val_fraction), tokenizer=BYTES)
     sources = list(train.data) or [str(p) for p in builtin_corpus_paths()]
     tokens = tokenize_to_cache(sources, tokenizer, train.text_field, train.data_cache, show_progress=show_progress)
     return TrainingData(*split_train_val(tokens, val_fraction), tokenizer=name)
