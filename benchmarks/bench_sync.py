@@ -1,76 +1,317 @@
-"""Seconds and payload bytes of one DiLoCo sync between two peers on 127.0.0.1, against the model's size.
+"""Where one DiLoCo sync's seconds go, against what hivemind's P2P streams can carry on the same machine.
 
-    python benchmarks/bench_sync.py --model small --syncs 3
+    python benchmarks/bench_sync.py --model small --peers 2 --syncs 4
+    python benchmarks/bench_sync.py --model 124m --peers 2 4 --json sync.json --png sync.png
+    python benchmarks/bench_sync.py --model path/to/hf_folder --device cuda
 
-Two DiLoCoOptimizers, each on its own hivemind DHT, are driven from two threads of this process (no training:
-one inner step of a zero gradient between syncs, so the figures are the sync alone). Prints one line per
-compression with the mean seconds per sync and the bytes each peer sent and received per sync.
+Each peer is its own process with its own DHT (and p2pd), a model (a built-in size, a Hugging Face folder with a
+config.json, or ``package.module:factory``) and a ``DiLoCoOptimizer``, on 127.0.0.1. Between syncs every peer nudges
+its parameters with fresh noise (a pseudo-gradient of realistic bits and size, no training), then all peers sync at
+once (a barrier), so each sync's seconds are the sync alone. Each sync's time is split into its phases (see
+``SyncRecord.phases``): publish, plan, pseudo_gradient, matchmaking, allreduce, outer_step, digest, record, and
+inside the all-reduce the CPU seconds of encode, decode, checks and the result's write (these overlap the wire).
+
+The transport ceiling is measured first with the same number of processes: each opens a raw hivemind P2P stream to
+every other peer (p2pd to p2pd, as the all-reduce's streams go) and writes 1 MiB chunks while it reads the streams
+the others opened. Its MB/s, and the all-reduce's, are bytes sent plus received per peer per second.
+
+Prints a table; ``--json FILE`` writes every figure, ``--png FILE`` a bar chart of the split (needs matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
 import threading
 import time
 from functools import partial
+from typing import Dict, List, Optional
 
-import hivemind
-import torch
+MiB = 2 ** 20
+PHASES = ("publish", "plan", "pseudo_gradient", "matchmaking", "allreduce", "outer_step", "digest", "record")
+ALLREDUCE_WORK = ("encode", "decode", "checks", "write")
+BYTES_PER_VALUE = {"none": 4, "fp16": 2, "bf16": 2, "int8": 1 + 4 / 1024}
 
-from p2ptrain import DiLoCoOptimizer
-from p2ptrain.model import build_model
 
+# ------------------------------------------------------------------------------------------- transport ceiling
 
-def run(model_name: str, compression: str, syncs: int) -> None:
-    dhts = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
-    dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                             initial_peers=dhts[0].get_visible_maddrs()))
-    models = [build_model(model_name, seed=0) for _ in dhts]
-    opts = [
-        DiLoCoOptimizer(model.parameters(), dht=dht, run_id=f"bench-{compression}", local_steps=1,
-                        inner_optimizer=partial(torch.optim.SGD, lr=0.0),
-                        outer_optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
-                        compression=compression, target_group_size=2, matchmaking_time_s=5.0,
-                        averaging_timeout_s=300.0).start()
-        for model, dht in zip(models, dhts)
-    ]
-    try:
-        def drive(opt: DiLoCoOptimizer) -> None:
-            for _ in range(syncs):
-                opt.step()
+def _ceiling_peer(index: int, peers: int, megabytes: int, maddrs, barrier, results) -> None:
+    from hivemind.p2p import P2P, PeerID
+
+    async def main() -> None:
+        while len(maddrs) < index:  # peer k dials peers 0..k-1 as it starts: every pair is connected
+            await asyncio.sleep(0.05)
+        earlier = [a for j in range(index) for a in maddrs[j]]
+        p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=earlier)
+        maddrs[index] = [str(m) for m in await p2p.get_visible_maddrs()]
+        received = {"bytes": 0}
+        done_reading = asyncio.Event()
+        expected = (peers - 1) * megabytes * MiB
+
+        async def handle(_info, reader, writer):
+            while True:
+                chunk = await reader.read(4 * MiB)
+                if not chunk:
+                    break
+                received["bytes"] += len(chunk)
+                if received["bytes"] >= expected:
+                    done_reading.set()
+            writer.close()
+
+        await p2p.add_binary_stream_handler("bench_ceiling", handle)
+        await asyncio.get_event_loop().run_in_executor(None, barrier.wait)
+        others = [PeerID.from_base58(maddrs[j][0].rsplit("/p2p/", 1)[1]) for j in range(peers) if j != index]
+        chunk = os.urandom(MiB)
+
+        async def send(peer_id) -> None:
+            _, _, writer = await p2p.call_binary_stream_handler(peer_id, "bench_ceiling")
+            for _ in range(megabytes):
+                writer.write(chunk)
+                await writer.drain()
+            writer.close()
 
         started = time.perf_counter()
-        threads = [threading.Thread(target=drive, args=(opt,)) for opt in opts]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - started
-        history = opts[0].history
-        params = sum(p.numel() for p in models[0].parameters())
-        mean_s = sum(r.seconds for r in history) / len(history)
-        sent = sum(r.bytes_sent for r in history) / len(history)
-        received = sum(r.bytes_received for r in history) / len(history)
-        groups = ",".join(str(r.group_size) for r in history)
-        print(f"model={model_name} params={params:,} fp32_bytes={4 * params:,} compression={compression:<4} "
-              f"syncs={len(history)} groups={groups} mean_sync_s={mean_s:.3f} "
-              f"sent_per_sync={sent:,.0f}B ({sent / params:.2f} B/param) received_per_sync={received:,.0f}B "
-              f"wall_s={wall:.1f}")
+        await asyncio.gather(*(send(peer) for peer in others), done_reading.wait())
+        elapsed = time.perf_counter() - started
+        results[index] = (2 * expected) / elapsed / 1e6  # sent + received per second, as the all-reduce's MB/s
+        await asyncio.get_event_loop().run_in_executor(None, barrier.wait)
+        await p2p.shutdown()
+
+    asyncio.run(main())
+
+
+def transport_ceiling(peers: int, megabytes: int = 256) -> float:
+    """MB/s (sent + received) per peer through raw hivemind P2P streams, every peer to every other at once."""
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        maddrs, results = manager.dict(), manager.dict()
+        barrier = ctx.Barrier(peers)
+        procs = [ctx.Process(target=_ceiling_peer, args=(i, peers, megabytes // max(peers - 1, 1), maddrs, barrier,
+                                                          results)) for i in range(peers)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(300)
+        if len(results) != peers:
+            raise RuntimeError("the transport ceiling measurement failed (a peer process died)")
+        return statistics.mean(results.values())
+
+
+# ----------------------------------------------------------------------------------------------- sync peers
+
+class _PeakMemory:
+    """Samples the RSS of this process and its averager (not p2pd: its buffers are the transport's) every 50 ms;
+    ``peak`` is the largest sum. The processes are listed once: walking /proc at every sample costs a core."""
+
+    def __init__(self):
+        import psutil
+
+        me = psutil.Process()
+        self._processes = [me, *(p for p in me.children(recursive=True) if p.name() != "p2pd")]
+        self.peak, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def now(self) -> int:
+        total = 0
+        for proc in self._processes:
+            try:
+                total += proc.memory_info().rss
+            except Exception:
+                pass
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def _sync_peer(index: int, args: dict, maddrs, barrier, results) -> None:
+    mp.set_start_method("fork", force=True)  # a spawned child inherits "spawn"; hivemind forks its averager
+    import torch
+
+    from p2ptrain import DiLoCoOptimizer
+    from p2ptrain.config import SwarmConfig
+    from p2ptrain.model_source import build_from_spec, resolve_model
+    from p2ptrain.swarm.dht import start_dht, stop_dht, visible_maddrs
+
+    torch.set_num_threads(args["threads"])
+    torch.manual_seed(1000 + index)
+    device = torch.device(args["device"])
+    model = build_from_spec(resolve_model(args["model"]), seed=0).to(device)
+    if index == 0:
+        dht = start_dht(SwarmConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"], reachability="public"))
+        maddrs[0] = visible_maddrs(dht)
+    barrier.wait()
+    if index:
+        dht = start_dht(SwarmConfig(initial_peers=maddrs[0], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                    reachability="public"))
+    opt = DiLoCoOptimizer(
+        model.parameters(), dht=dht, run_id="bench-sync", local_steps=1,
+        inner_optimizer=partial(torch.optim.SGD, lr=0.0),
+        outer_optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
+        compression=args["compression"], target_group_size=args["peers"], matchmaking_time_s=5.0,
+        averaging_timeout_s=600.0,
+    ).start()
+    memory = baseline = None
+    try:
+        for k in range(args["syncs"]):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p), alpha=1e-3)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            barrier.wait()
+            if k == min(1, args["syncs"] - 1):  # from the second sync on: the outer momentum exists by then
+                memory = _PeakMemory()
+                baseline = memory.now()
+            opt.step()
+        peak = memory.stop()
+        results[index] = dict(records=[r.to_dict() for r in opt.history], rss_before=baseline, rss_peak=peak,
+                              params=sum(p.numel() for p in model.parameters()), compression=args["compression"],
+                              digests=[r.digest for r in opt.history])
     finally:
-        for opt in opts:
-            opt.close()
-        for dht in dhts:
-            dht.shutdown()
+        opt.shutdown()
+        stop_dht(dht)
+
+
+def run_syncs(args: dict) -> List[dict]:
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        maddrs, results = manager.dict(), manager.dict()
+        barrier = ctx.Barrier(args["peers"])
+        procs = [ctx.Process(target=_sync_peer, args=(i, args, maddrs, barrier, results))
+                 for i in range(args["peers"])]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if len(results) != args["peers"]:
+            raise RuntimeError("a sync peer died; see its log above")
+        return [results[i] for i in range(args["peers"])]
+
+
+# ---------------------------------------------------------------------------------------------------- report
+
+def summarize(peers: List[dict], ceiling: Optional[float], skip_first: bool) -> dict:
+    """Means over every peer's syncs (the first left out when there are more: it pays for warm-up)."""
+    records = [r for peer in peers for r in (peer["records"][1:] if skip_first else peer["records"])]
+    agree = all(len({p["digests"][k] for p in peers}) == 1 for k in range(len(peers[0]["digests"])))
+    mean = lambda values: statistics.mean(values) if values else 0.0  # noqa: E731
+    split = {phase: mean([r["phases"].get(phase, 0.0) for r in records]) for phase in PHASES}
+    work = {name: mean([r["phases"].get(f"allreduce.{name}", 0.0) for r in records]) for name in ALLREDUCE_WORK}
+    seconds = mean([r["seconds"] for r in records])
+    allreduce_s = mean([r["allreduce_s"] for r in records])
+    moved = mean([r["bytes_sent"] + r["bytes_received"] for r in records])
+    sent = mean([r["bytes_sent"] for r in records])
+    rate = moved / allreduce_s / 1e6 if allreduce_s else 0.0
+    n = len(peers)
+    params = peers[0]["params"]
+    # the butterfly's bytes per peer: its parts of the others' ranges out, the averages of its own range back
+    bound = 2 * (n - 1) / n * params * BYTES_PER_VALUE.get(peers[0]["compression"], 4)
+    return dict(
+        peers=n, params=params, syncs=len(records), seconds=seconds, split=split, allreduce_work=work,
+        non_wire_s=max(seconds - split["matchmaking"] - split["allreduce"], 0.0),
+        allreduce_mb_s=rate, ceiling_mb_s=ceiling, of_ceiling=rate / ceiling if ceiling else None,
+        bytes_moved=moved, bytes_sent=sent, butterfly_sent_bytes=bound, of_butterfly=sent / bound,
+        group_sizes=sorted({r["group_size"] for r in records}), digests_agree=agree,
+        rss_before_mb=max(p["rss_before"] for p in peers) / 1e6,
+        rss_added_mb=max(p["rss_peak"] - p["rss_before"] for p in peers) / 1e6,
+    )
+
+
+def print_table(rows: List[dict]) -> None:
+    head = ["peers", "sync s", *PHASES, "non-wire s", "AR MB/s", "ceiling", "of ceil", "+RSS MB"]
+    print(" | ".join(head))
+    for row in rows:
+        cells = [str(row["peers"]), f"{row['seconds']:.3f}", *(f"{row['split'][p]:.3f}" for p in PHASES),
+                 f"{row['non_wire_s']:.3f}", f"{row['allreduce_mb_s']:.0f}",
+                 f"{row['ceiling_mb_s']:.0f}" if row["ceiling_mb_s"] else "-",
+                 f"{row['of_ceiling']:.0%}" if row["of_ceiling"] else "-", f"{row['rss_added_mb']:.0f}"]
+        print(" | ".join(cells))
+    for row in rows:
+        work = ", ".join(f"{k} {v:.3f}" for k, v in row["allreduce_work"].items())
+        print(f"peers={row['peers']}: all-reduce CPU seconds (overlapping the wire): {work}; bytes moved per peer "
+              f"{row['bytes_moved'] / 1e6:.1f} MB; sent {row['bytes_sent'] / 1e6:.1f} MB = {row['of_butterfly']:.3f}x the "
+              f"butterfly bound; "
+              f"groups {row['group_sizes']}; digests agree: {row['digests_agree']}")
+
+
+def draw(rows: List[dict], title: str, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no PNG: matplotlib is missing; pip install matplotlib", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.8 * len(rows)))
+    for y, row in enumerate(rows):
+        left = 0.0
+        for phase in PHASES:
+            width = row["split"][phase]
+            ax.barh(y, width, left=left, label=phase if y == 0 else None)
+            left += width
+    ax.set_yticks(range(len(rows)), [f"{r['peers']} peers\n{r['allreduce_mb_s']:.0f} of {r['ceiling_mb_s'] or 0:.0f} MB/s"
+                                     for r in rows])
+    ax.set_xlabel("seconds per sync")
+    ax.set_title(title)
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="small", help="built-in model size (tiny, small, 124m)")
-    parser.add_argument("--syncs", type=int, default=3)
-    parser.add_argument("--compression", nargs="+", default=["fp16", "none"])
+    parser.add_argument("--model", default="small", help="built-in size (tiny, small, 124m, ...), a Hugging Face "
+                                                         "folder with config.json, or package.module:factory")
+    parser.add_argument("--peers", type=int, nargs="+", default=[2])
+    parser.add_argument("--syncs", type=int, default=4)
+    parser.add_argument("--compression", default="fp16")
+    parser.add_argument("--device", default="cpu", help="where the model lives: cpu or cuda")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per peer process")
+    parser.add_argument("--ceiling-mb", type=int, default=512, help="MB each peer sends to measure the ceiling")
+    parser.add_argument("--no-ceiling", action="store_true")
+    parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--png", help="draw the time split here")
     args = parser.parse_args()
-    for compression in args.compression:
-        run(args.model, compression, args.syncs)
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device here; run on a GPU machine or use --device cpu")
+    rows = []
+    for peers in args.peers:
+        if peers < 2:
+            parser.error("--peers: at least 2")
+        ceiling = None if args.no_ceiling else transport_ceiling(peers, args.ceiling_mb)
+        if ceiling:
+            print(f"transport ceiling, {peers} peers: {ceiling:.0f} MB/s sent+received per peer", flush=True)
+        results = run_syncs(dict(vars(args), peers=peers))
+        rows.append(summarize(results, ceiling, skip_first=args.syncs > 1))
+        rows[-1].update(model=args.model, compression=args.compression, device=args.device, raw=results)
+        print_table(rows[-1:])
+    print()
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.png:
+        draw(rows, f"sync of {args.model} ({rows[0]['params'] / 1e6:.1f}M params, {args.compression})", args.png)
 
 
 if __name__ == "__main__":

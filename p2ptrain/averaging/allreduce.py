@@ -30,6 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
+import time
+from contextlib import contextmanager
 from typing import AsyncIterator, Callable, Dict, Optional
 
 import torch
@@ -75,6 +78,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._codec = self.tensor_part_container.compression
         if not isinstance(self._codec, WireCodec):
             raise TypeError(f"ExactAllReduceRunner needs a p2ptrain WireCodec, got {self._codec!r}")
+        self.phases: Dict[str, float] = {"encode": 0.0, "decode": 0.0, "checks": 0.0, "reduce": 0.0}
+        """CPU seconds of each kind of work in this round (``RoundResult.phases``), summed over threads"""
+        self._phases_lock = threading.Lock()
+        self.tensor_part_container.compression = _TimedEncoder(self._codec, self)  # our parts, as hivemind cuts them
         # shape of each part of each reducer's range: an average that comes back in another shape is a failure
         self._part_shapes_by_peer = own_input_part_shapes(self.tensor_part_container)
         # fault injection (p2ptrain.faults): SIGKILL this peer after answering that many averaged parts
@@ -93,6 +100,24 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._streams_open = 0
         self._senders_served = asyncio.Event()
         self._senders_served.set()
+
+    @contextmanager
+    def timed(self, phase: str):
+        """Add the seconds of the ``with`` body to ``phases[phase]`` (from any thread)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._phases_lock:
+                self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - started
+
+    def _encode(self, tensor: torch.Tensor) -> runtime_pb2.Tensor:
+        with self.timed("encode"):
+            return self._codec.compress(tensor, CompressionInfo.from_tensor(tensor))
+
+    def _decode(self, message: runtime_pb2.Tensor) -> torch.Tensor:
+        with self.timed("decode"):
+            return self._codec.extract(message)
 
     def should_delay_results(self, peer_id: PeerID) -> bool:
         """Never: a client-mode sender (behind NAT, it reduces nothing) reads its averages while it still sends.
@@ -126,9 +151,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         """Compress the average of one part once; every caller for that part gets the same message."""
         if part_index not in self._serialized_averages:
             loop = asyncio.get_event_loop()
-            self._serialized_averages[part_index] = loop.run_in_executor(
-                None, self._codec.compress, averaged_part, CompressionInfo.from_tensor(averaged_part)
-            )
+            self._serialized_averages[part_index] = loop.run_in_executor(None, self._encode, averaged_part)
         return await self._serialized_averages[part_index]
 
     def _get_peer_stub(self, peer: PeerID) -> StubBase:
@@ -143,13 +166,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         sender_index = self.sender_peer_ids.index(peer_id)
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
             # our own contribution goes through the codec too, as it would to any other reducer
-            rounded_part = await loop.run_in_executor(None, self._codec.roundtrip, tensor_part)
+            rounded_part = await loop.run_in_executor(None, lambda: self._decode(self._encode(tensor_part)))
             averaged_part = await self.tensor_part_reducer.accumulate_part(
                 sender_index, part_index, rounded_part, weight=self.weight
             )
             serialized = await self._serialize_average(part_index, averaged_part)
             # use exactly what the other senders receive: decompress(compress(average))
-            self.tensor_part_container.register_processed_part(peer_index, part_index, self._codec.extract(serialized))
+            self.tensor_part_container.register_processed_part(peer_index, part_index, self._decode(serialized))
 
     async def _communicate_with_remote_reducer(self, peer_id: PeerID):
         """Sender side: stream our parts of that reducer's range to it, register the averages it answers.
@@ -172,7 +195,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 if msg.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
                 try:
-                    return self._codec.extract(msg.tensor_part)
+                    return self._decode(msg.tensor_part)
                 except WireFormatError as e:
                     logger.warning(f"Reducer {peer_id} answered with an average that does not decode: {e}")
                     raise AllreduceException(f"{peer_id} sent an average that does not decode") from e
@@ -186,8 +209,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                     problem = f"an average of shape {tuple(average.shape)} for part #{part_index}"
                 else:
                     own = own_input_part(self.tensor_part_container, peer_index, part_index)
-                    problem = self._check_values(("sent", peer_index, part_index), average, own,
-                                                 f"an average for part #{part_index}")
+                    with self.timed("checks"):
+                        problem = self._check_values(("sent", peer_index, part_index), average, own,
+                                                     f"an average for part #{part_index}")
                 if problem:
                     logger.warning(f"Reducer {peer_id} returned {problem}; not applying its range")
                     self._on_bad_peer(peer_id, f"as a reducer it returned {problem}")
@@ -218,7 +242,7 @@ class ExactAllReduceRunner(AllReduceRunner):
 
         def _deserialize(msg: averaging_pb2.AveragingData):
             try:
-                return self._codec.extract(msg.tensor_part), msg.weight, msg.ByteSize(), ""
+                return self._decode(msg.tensor_part), msg.weight, msg.ByteSize(), ""
             except WireFormatError as e:  # a broken or hostile sender: reject it like any other bad part
                 return None, msg.weight, msg.ByteSize(), str(e)
 
@@ -231,7 +255,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                 if undecodable:
                     problem = f"part #{part_index}, which does not decode: {undecodable}"
                 else:
-                    problem = self._check_part(part_index, tensor_part, weight)
+                    with self.timed("checks"):
+                        problem = self._check_part(part_index, tensor_part, weight)
                 if problem:
                     logger.warning(f"Rejected a tensor part from {sender}: {problem}; excluding it from this round")
                     self._on_bad_peer(sender, f"it sent a bad tensor part: {problem}")
@@ -271,15 +296,19 @@ class ExactAllReduceRunner(AllReduceRunner):
     def _check_values(self, key: tuple, values: torch.Tensor, own: torch.Tensor, what: str) -> str:
         """Why ``values`` (a peer's part, or an average a reducer sent) must not be used: non-finite, or larger
         than ``max_norm_ratio`` times our own values over the same range (or, if larger, times our whole vector's
-        RMS over as many values). Empty if they may."""
-        if not all_finite(values):
+        RMS over as many values). Empty if they may.
+
+        One read of ``values`` in the usual case: their L2 norm is finite only if every value is (a NaN or an
+        infinity makes it NaN or infinite); only a non-finite norm (poison, or finite values so large that their
+        squares overflow) takes a second read to tell which."""
+        norm = float(torch.linalg.vector_norm(values.float()))
+        if not math.isfinite(norm) and not all_finite(values):
             return f"{what} with NaN or infinite values"
         if self._max_norm_ratio is None:
             return ""
         if key not in self._own_norms:
             self._own_norms[key] = float(torch.linalg.vector_norm(own.float()))
         own_norm = max(self._own_norms[key], self._own_rms * math.sqrt(values.numel()))
-        norm = float(torch.linalg.vector_norm(values.float()))
         if own_norm > 0 and norm > self._max_norm_ratio * own_norm:
             return (f"{what} with norm {norm:.4g}, more than {self._max_norm_ratio:g}x our own {own_norm:.4g} over "
                     "the same range")
@@ -322,3 +351,17 @@ class _CountingStub:
         async for msg in stream:
             self._runner.bytes_received += msg.ByteSize()
             yield msg
+
+
+class _TimedEncoder:
+    """The runner's codec as ``TensorPartContainer`` sees it: ``compress`` counted in the runner's ``encode``."""
+
+    def __init__(self, codec: WireCodec, runner: ExactAllReduceRunner):
+        self._codec, self._runner = codec, runner
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False):
+        with self._runner.timed("encode"):
+            return self._codec.compress(tensor, info, allow_inplace)
+
+    def __getattr__(self, name):
+        return getattr(self._codec, name)

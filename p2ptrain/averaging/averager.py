@@ -52,6 +52,10 @@ class RoundResult:
     """peer id (base58) -> the metadata that peer attached to this round (its samples, its outer step)"""
     allreduce_s: float = 0.0
     """seconds from the group's forming to the end of the all-reduce (the rest of a sync is matchmaking)"""
+    phases: Dict[str, float] = field(default_factory=dict)
+    """CPU seconds inside the all-reduce by kind of work (``ExactAllReduceRunner.phases``): encode, decode, checks,
+    reduce, and ``write`` (the result copied into the shared buffers). The first four run on several threads while
+    the wire carries other parts, so they overlap each other and the all-reduce's wall time"""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -61,11 +65,12 @@ class IncompleteRoundError(AllreduceException):
     """A group formed but the round did not finish on every part (a member died or timed out mid-round)."""
 
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """What peers must agree on beyond the codec to average together; bumped when a round's meaning changes.
 2: digests of the global parameters are sha256 (they were blake2b). 3: join requests carry an admission token,
 records about a peer are signed, parts are checked against the reducer's own norm. 4: reducers stream averages to
-client-mode senders at once (no delayed results), and join requests carry the weight."""
+client-mode senders at once (no delayed results), and join requests carry the weight. 5: digests are xxh3-128
+(records._digest_of)."""
 
 SERVE_SENDERS_TIMEOUT_S = 15.0
 """how long a reducer that has its own result waits for the other senders to take their last averages"""
@@ -340,8 +345,9 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
             if not await runner.wait_until_senders_served(SERVE_SENDERS_TIMEOUT_S):
                 logger.warning(f"a sender had not taken all of its averages {SERVE_SENDERS_TIMEOUT_S:.0f}s after "
                                "this peer had its own; going on without waiting for it")
-            for tensor, averaged_tensor in zip(tensors, averaged):
-                tensor.copy_(averaged_tensor)
+            with runner.timed("write"):
+                for tensor, averaged_tensor in zip(tensors, averaged):
+                    tensor.copy_(averaged_tensor)
             self.last_updated = time.time()
 
         container = runner.tensor_part_container
@@ -350,6 +356,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
             bytes_sent=runner.bytes_sent,
             bytes_received=runner.bytes_received,
             failed_fraction=container.failed_size / max(container.total_size, 1),
+            phases=dict(runner.phases),
         )
 
 

@@ -17,13 +17,14 @@ from p2ptrain.averaging import PseudoGradientAverager, RoundResult
 from p2ptrain.averaging.averager import PROTOCOL_VERSION
 from p2ptrain.averaging.compression import COMPRESSIONS, ERROR_FEEDBACK_BY_DEFAULT
 from p2ptrain.diloco.membership import Membership
-from p2ptrain.diloco.records import NO_GROUP_POLICIES, Outcome, RoundOutcome, SyncRecord, Throughput, _digest_of
+from p2ptrain.diloco.records import (NO_GROUP_POLICIES, Outcome, RoundOutcome, SyncClock, SyncRecord, Throughput,
+                                     _digest_of)
 from p2ptrain.diloco.rounds import Position, Rounds, RoundSettings
 from p2ptrain.diloco.state import StateSharingMixin, _SnapshotRequest
-from p2ptrain.finite import all_finite
+from p2ptrain.finite import all_finite_many
 from p2ptrain.outer import add_error_feedback_, outer_step_, pseudo_gradient_
 from p2ptrain.schedules import Schedule, scale_lrs
-from p2ptrain.swarm.progress import ProgressPublisher
+from p2ptrain.swarm.progress import ProgressPublisher, wait_until_stored
 
 logger = logging.getLogger(__package__)  # one logger name for the whole optimizer, as users grep for it
 
@@ -147,6 +148,7 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         self.samples_since_sync = 0
         self._steps_since_sync = 0  # inner steps in this peer's pseudo-gradient (the norm check's scale)
         self.history: List[SyncRecord] = []
+        self._clock = SyncClock()  # the sync in progress's phases (SyncRecord.phases)
         self._last_group: set = set()  # the other members of our last round that averaged (base58 ids)
         self._interrupted = threading.Event()  # set: stop looking for peers (the peer is leaving)
         self._sync_lock = threading.Lock()
@@ -310,12 +312,17 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
     @torch.no_grad()
     def _sync(self) -> SyncRecord:
         started = time.perf_counter()
+        clock = self._clock = SyncClock()
         self.throughput.update()
         # tell the others we are at the sync point now, not at the next periodic refresh: a round waits for the
-        # live peers that have not got there yet (_plan_round), and would wait for us too
-        self._publish_progress(force=True)
+        # live peers that have not got there yet (_plan_round), and would wait for us too. The store runs in the
+        # DHT's process while this thread reads the records and computes the pseudo-gradient; it is waited for
+        # (bounded) before matchmaking starts
+        with clock("publish"):
+            stored = self._publish_progress(force=True, wait=False)
         # one read of the records: this check, and the first attempt's plan
-        outlook = self.rounds.outlook(self._position())
+        with clock("plan"):
+            outlook = self.rounds.outlook(self._position())
         if outlook.ahead:
             # behind already (paused, or a round went on without us): matchmaking at this outer step is doomed
             logger.warning(f"{self._tag()} the swarm has moved past outer step {self.outer_step}; discarding this "
@@ -323,27 +330,15 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
             record = self._catch_up_and_join(started, attempts=0)
             if record is not None:
                 return record
-        diverged = False
-        with self.averager.get_tensors() as buffers:
-            pseudo_gradient_(buffers, self.global_params, self.params)
-            if not all(all_finite(buffer) for buffer in buffers):
-                # local training diverged: contribute nothing (weight 0, zeros) but still take the group's average,
-                # which puts this peer back on the shared parameters; the group is not kept waiting for us
-                diverged = True
-                for buffer in buffers:
-                    buffer.zero_()
-                self._reset_residuals()
-                logger.error(
-                    f"{self._tag()} the pseudo-gradient has NaN/inf values (local training diverged); "
-                    "discarding this peer's local progress since the last sync; lower inner_lr if this repeats"
-                )
-            elif self._residuals is not None:
-                # error feedback: send what the wire dropped last time too, and keep what it will drop of this
-                # (the same parts, rounded the same way as the all-reduce will); kept only if the round averages
-                add_error_feedback_(buffers, self._residuals, self.averager.codec, self.averager.part_size_bytes)
+        with clock("pseudo_gradient"):
+            diverged = self._fill_pseudo_gradient()
+        with clock("publish"):
+            wait_until_stored(stored, FORCED_STORE_WAIT_S - clock.seconds["publish"] - clock.seconds["plan"]
+                              - clock.seconds["pseudo_gradient"])
 
         weight = 0.0 if diverged else float(max(self.samples_since_sync, 1))
-        outcome = self.rounds.run(weight, self._position(), outlook=outlook)
+        with clock("round"):
+            outcome = self.rounds.run(weight, self._position(), outlook=outlook)
         if outcome.kind is not Outcome.AVERAGED:
             # nothing went through the wire: the peer applies its pseudo-gradient unrounded (apply_local), takes
             # the swarm's state (behind) or abandons the round; either way there is no rounding error to carry
@@ -376,15 +371,39 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
                 )
         return self._apply(started, outcome.result, outcome.attempts)
 
+    def _fill_pseudo_gradient(self) -> bool:
+        """Write this peer's pseudo-gradient (plus its error-feedback residual) into the averager's buffers. True
+        when local training diverged: then the buffers hold zeros, which the peer sends with weight 0."""
+        with self.averager.get_tensors() as buffers:
+            pseudo_gradient_(buffers, self.global_params, self.params)
+            if not all_finite_many(buffers):
+                # local training diverged: contribute nothing (weight 0, zeros) but still take the group's average,
+                # which puts this peer back on the shared parameters; the group is not kept waiting for us
+                for buffer in buffers:
+                    buffer.zero_()
+                self._reset_residuals()
+                logger.error(
+                    f"{self._tag()} the pseudo-gradient has NaN/inf values (local training diverged); "
+                    "discarding this peer's local progress since the last sync; lower inner_lr if this repeats"
+                )
+                return True
+            if self._residuals is not None:
+                # error feedback: send what the wire dropped last time too, and keep what it will drop of this
+                # (the same parts, rounded the same way as the all-reduce will); kept only if the round averages
+                add_error_feedback_(buffers, self._residuals, self.averager.codec, self.averager.part_size_bytes)
+        return False
+
     @torch.no_grad()
     def _apply(self, started: float, result: Optional[RoundResult], attempts: int, **flags) -> SyncRecord:
         """The outer step with what the buffers hold (the group's average, or our own pseudo-gradient)."""
-        with self.averager.get_tensors() as buffers, self._state_lock:
+        clock = self._clock
+        with clock("outer_step"), self.averager.get_tensors() as buffers, self._state_lock:
             self._apply_lr_schedules()  # the outer step counter may have jumped since the last one (a catch-up)
             outer_step_(self.outer_optimizer, self.global_params, buffers, self.params)
             self.outer_step += 1
             self._committed_local_step = self.local_step
-        self._digest = self._global_digest()  # outside the averager's lock: hashing needs none of its buffers
+        with clock("digest"):
+            self._digest = self._global_digest()  # outside the averager's lock: hashing needs none of its buffers
         self.averager.set_host_outer_step(self.outer_step)
         repaired = result is not None and self._repair_if_diverged(result)
         return self._record(started, result, attempts, repaired=repaired, **flags)
@@ -392,8 +411,15 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
     def _record(self, started: float, result: Optional[RoundResult], attempts: int, **flags) -> SyncRecord:
         """Close the sync: its record in ``history`` (and the log), the next phase's counters, a fresh progress
         record. ``flags``: ``caught_up``, ``repaired``, ``abandoned`` (see ``SyncRecord``)."""
+        phases = dict(self._clock.seconds)
+        if "round" in phases:  # the rounds' wall time, less the all-reduce applied: matchmaking (and failed attempts)
+            phases["matchmaking"] = max(phases.pop("round") - (result.allreduce_s if result else 0.0), 0.0)
+        if result is not None:
+            phases["allreduce"] = result.allreduce_s
+            phases.update({f"allreduce.{name}": seconds for name, seconds in result.phases.items()})
         record = SyncRecord.of(result, outer_step=self.outer_step, seconds=time.perf_counter() - started,
-                               samples=self.samples_since_sync, attempts=attempts, digest=self._digest, **flags)
+                               samples=self.samples_since_sync, attempts=attempts, digest=self._digest,
+                               phases=phases, **flags)
         record.log(logger, self._tag())
         self.history.append(record)
         me = self.dht.peer_id.to_base58()
@@ -402,7 +428,11 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         if not record.abandoned:  # an abandoned round's samples are still in the model, to be synced later
             self.samples_since_sync = 0
             self._steps_since_sync = 0
-        self._publish_progress(force=True)
+        # our commit, stored in the background: a member of this round that reads the records before it is stored
+        # still counts us (rounds.outlook_of), and waiting here cost up to FORCED_STORE_WAIT_S of every sync
+        started_publish = time.perf_counter()
+        self._publish_progress(force=True, wait=False)
+        record.phases["record"] = time.perf_counter() - started_publish
         return record
 
     def _position(self) -> Position:
@@ -445,20 +475,22 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         """Inner-step samples per second over the last stretch between two syncs (or progress refreshes)."""
         return self.throughput.per_s
 
-    def _publish_progress(self, force: bool = False) -> None:
+    def _publish_progress(self, force: bool = False, wait: bool = True):
         """A periodic refresh in the background; a forced one (our first record, a sync point, a commit) is waited
-        for, at most ``FORCED_STORE_WAIT_S``: a peer reading the records a moment later must see it (a fast peer
-        read before a slow one's record was stored, found itself alone and stepped alone, in CI)."""
+        for, at most ``FORCED_STORE_WAIT_S``, unless ``wait`` is False (the caller waits on the returned future when
+        it must, ``wait_until_stored``): a peer reading the records a moment later must see it (a fast peer read
+        before a slow one's record was stored, found itself alone and stepped alone, in CI)."""
         if force or self.progress.due():
             if not force:
                 self.throughput.update()
-            self.progress.publish(
+            return self.progress.publish(
                 outer_step=self.outer_step,
                 local_step=self.local_step,
                 samples_per_s=self.samples_per_s,
                 samples_since_sync=self.samples_since_sync,
-                wait_s=FORCED_STORE_WAIT_S if force else 0.0,
+                wait_s=FORCED_STORE_WAIT_S if force and wait else 0.0,
             )
+        return None
 
     def _tag(self) -> str:
         return f"[{self.dht.peer_id.to_base58()[-8:]} outer_step={self.outer_step}]"

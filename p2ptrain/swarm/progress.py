@@ -129,6 +129,15 @@ def check_run_settings(mine: dict, records: List[PeerProgress], run_id: str) -> 
                           "run's model and settings, or under another --run-id")
 
 
+def wait_until_stored(stored, timeout_s: float) -> None:
+    """Wait at most ``timeout_s`` for a record's store (``ProgressPublisher.publish``'s future); a slow or failed
+    store is left to the heartbeat, which stores the record again."""
+    try:
+        stored.result(timeout=max(timeout_s, 0.0))
+    except Exception as e:
+        logger.debug(f"The progress record was not stored within {timeout_s:.1f}s: {e!r}")
+
+
 class ProgressPublisher:
     """Publishes one peer's progress, at most once per ``period_s`` unless forced. Never blocks training."""
 
@@ -185,9 +194,10 @@ class ProgressPublisher:
                     self.others_seen_at = time.monotonic()
 
     def publish(self, *, outer_step: int, local_step: int, samples_per_s: float, samples_since_sync: int,
-                wait_s: float = 0.0) -> None:
+                wait_s: float = 0.0):
         """Store this peer's record. ``wait_s`` > 0: wait (at most that long) until the DHT has stored it, for a
-        record the other peers must see before they next read (a peer's first, its sync point, its commit)."""
+        record the other peers must see before they next read (a peer's first, its sync point). Returns the store's
+        future, for a caller that waits later (``wait_until_stored``) and does other work meanwhile."""
         self._last_fields = dict(outer_step=outer_step, local_step=local_step, samples_per_s=samples_per_s,
                                  samples_since_sync=samples_since_sync)
         if self._heartbeat is None and not self._heartbeat_stop.is_set():
@@ -208,10 +218,8 @@ class ProgressPublisher:
         stored = self._store(record.SerializeToString(), get_dht_time() + self.expiration_s)
         self._last_published = time.monotonic()
         if wait_s > 0:
-            try:
-                stored.result(timeout=wait_s)
-            except Exception as e:  # slow or failed: the heartbeat stores it again
-                logger.debug(f"The progress record was not stored within {wait_s:.1f}s: {e!r}")
+            wait_until_stored(stored, wait_s)
+        return stored
 
     def withdraw(self, timeout_s: float = 5.0) -> None:
         """Overwrite our record with an empty one, so we leave `status` on a clean exit. Waits (bounded) for the
