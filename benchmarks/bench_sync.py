@@ -1,13 +1,14 @@
 """Where one DiLoCo sync's seconds go, against what hivemind's P2P streams can carry on the same machine.
 
     python benchmarks/bench_sync.py --model small --peers 2 --syncs 4
-    python benchmarks/bench_sync.py --model 124m --peers 2 4 --json sync.json --png sync.png
+    python benchmarks/bench_sync.py --model 124m --peers 1 2 4 --json sync.json --png sync.png
     python benchmarks/bench_sync.py --model path/to/hf_folder --device cuda
 
 Each peer is its own process with its own DHT (and p2pd), a model (a built-in size, a Hugging Face folder with a
 config.json, or ``package.module:factory``) and a ``DiLoCoOptimizer``, on 127.0.0.1. Between syncs every peer nudges
 its parameters with fresh noise (a pseudo-gradient of realistic bits and size, no training), then all peers sync at
-once (a barrier), so each sync's seconds are the sync alone. Each sync's time is split into its phases (see
+once (a barrier), so each sync's seconds are the sync alone. ``--peers 1`` times a lone peer's sync: no all-reduce,
+only the fixed costs around it. Each sync's time is split into its phases (see
 ``SyncRecord.phases``): publish, plan, pseudo_gradient, matchmaking, allreduce, outer_step, digest, record, and
 inside the all-reduce the CPU seconds of encode, decode, checks and the result's write (these overlap the wire).
 
@@ -30,7 +31,7 @@ import sys
 import threading
 import time
 from functools import partial
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 MiB = 2 ** 20
 PHASES = ("publish", "plan", "pseudo_gradient", "matchmaking", "allreduce", "outer_step", "digest", "record")
@@ -131,6 +132,19 @@ class _PeakMemory:
             self.peak = max(self.peak, self.now())
             time.sleep(0.05)
 
+    def cpu_seconds(self) -> float:
+        """CPU seconds used so far by this process, its averager and its p2pd (the DHT's too)."""
+        import psutil
+
+        total = 0.0
+        for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+            try:
+                times = proc.cpu_times()
+                total += times.user + times.system
+            except Exception:
+                pass
+        return total
+
     def stop(self) -> int:
         self._stop.set()
         self._thread.join()
@@ -165,6 +179,7 @@ def _sync_peer(index: int, args: dict, maddrs, barrier, results) -> None:
         averaging_timeout_s=600.0,
     ).start()
     memory = baseline = None
+    cpu: List[float] = []  # CPU seconds of this peer's processes per sync, from the second on
     try:
         for k in range(args["syncs"]):
             with torch.no_grad():
@@ -176,9 +191,12 @@ def _sync_peer(index: int, args: dict, maddrs, barrier, results) -> None:
             if k == min(1, args["syncs"] - 1):  # from the second sync on: the outer momentum exists by then
                 memory = _PeakMemory()
                 baseline = memory.now()
+            cpu_before = memory.cpu_seconds() if memory else 0.0
             opt.step()
+            if memory:
+                cpu.append(memory.cpu_seconds() - cpu_before)
         peak = memory.stop()
-        results[index] = dict(records=[r.to_dict() for r in opt.history], rss_before=baseline, rss_peak=peak,
+        results[index] = dict(records=[r.to_dict() for r in opt.history], rss_before=baseline, rss_peak=peak, cpu=cpu,
                               params=sum(p.numel() for p in model.parameters()), compression=args["compression"],
                               digests=[r.digest for r in opt.history])
     finally:
@@ -209,8 +227,8 @@ def summarize(peers: List[dict], ceiling: Optional[float], skip_first: bool) -> 
     records = [r for peer in peers for r in (peer["records"][1:] if skip_first else peer["records"])]
     agree = all(len({p["digests"][k] for p in peers}) == 1 for k in range(len(peers[0]["digests"])))
     mean = lambda values: statistics.mean(values) if values else 0.0  # noqa: E731
-    split = {phase: mean([r["phases"].get(phase, 0.0) for r in records]) for phase in PHASES}
-    work = {name: mean([r["phases"].get(f"allreduce.{name}", 0.0) for r in records]) for name in ALLREDUCE_WORK}
+    split = {phase: mean([r.get("phases", {}).get(phase, 0.0) for r in records]) for phase in PHASES}
+    work = {name: mean([r.get("phases", {}).get(f"allreduce.{name}", 0.0) for r in records]) for name in ALLREDUCE_WORK}
     seconds = mean([r["seconds"] for r in records])
     allreduce_s = mean([r["allreduce_s"] for r in records])
     moved = mean([r["bytes_sent"] + r["bytes_received"] for r in records])
@@ -224,28 +242,34 @@ def summarize(peers: List[dict], ceiling: Optional[float], skip_first: bool) -> 
         peers=n, params=params, syncs=len(records), seconds=seconds, split=split, allreduce_work=work,
         non_wire_s=max(seconds - split["matchmaking"] - split["allreduce"], 0.0),
         allreduce_mb_s=rate, ceiling_mb_s=ceiling, of_ceiling=rate / ceiling if ceiling else None,
-        bytes_moved=moved, bytes_sent=sent, butterfly_sent_bytes=bound, of_butterfly=sent / bound,
+        bytes_moved=moved, bytes_sent=sent, butterfly_sent_bytes=bound, of_butterfly=sent / bound if bound else None,
         group_sizes=sorted({r["group_size"] for r in records}), digests_agree=agree,
         rss_before_mb=max(p["rss_before"] for p in peers) / 1e6,
+        # CPU seconds of every peer's processes (host, averager, p2pd) per second of sync: the machine's cores busy
+        cores_busy=sum(statistics.mean(p["cpu"]) for p in peers if p["cpu"]) / seconds if seconds else 0.0,
         rss_added_mb=max(p["rss_peak"] - p["rss_before"] for p in peers) / 1e6,
     )
 
 
 def print_table(rows: List[dict]) -> None:
-    head = ["peers", "sync s", *PHASES, "non-wire s", "AR MB/s", "ceiling", "of ceil", "+RSS MB"]
+    head = ["codec", "peers", "sync s", *PHASES, "non-wire s", "AR MB/s", "ceiling", "of ceil", "+RSS MB"]
     print(" | ".join(head))
     for row in rows:
-        cells = [str(row["peers"]), f"{row['seconds']:.3f}", *(f"{row['split'][p]:.3f}" for p in PHASES),
+        cells = [row["compression"], str(row["peers"]), f"{row['seconds']:.3f}", *(f"{row['split'][p]:.3f}" for p in PHASES),
                  f"{row['non_wire_s']:.3f}", f"{row['allreduce_mb_s']:.0f}",
                  f"{row['ceiling_mb_s']:.0f}" if row["ceiling_mb_s"] else "-",
                  f"{row['of_ceiling']:.0%}" if row["of_ceiling"] else "-", f"{row['rss_added_mb']:.0f}"]
         print(" | ".join(cells))
     for row in rows:
         work = ", ".join(f"{k} {v:.3f}" for k, v in row["allreduce_work"].items())
+        if row["peers"] == 1:
+            print(f"peers=1: a lone peer's sync, no all-reduce; cores busy during a sync {row['cores_busy']:.2f}")
+            continue
         print(f"peers={row['peers']}: all-reduce CPU seconds (overlapping the wire): {work}; bytes moved per peer "
               f"{row['bytes_moved'] / 1e6:.1f} MB; sent {row['bytes_sent'] / 1e6:.1f} MB = {row['of_butterfly']:.3f}x the "
               f"butterfly bound; "
-              f"groups {row['group_sizes']}; digests agree: {row['digests_agree']}")
+              f"groups {row['group_sizes']}; digests agree: {row['digests_agree']}; cores busy during a sync "
+              f"{row['cores_busy']:.2f} of {os.cpu_count()}")
 
 
 def draw(rows: List[dict], title: str, path: str) -> None:
@@ -264,7 +288,8 @@ def draw(rows: List[dict], title: str, path: str) -> None:
             width = row["split"][phase]
             ax.barh(y, width, left=left, label=phase if y == 0 else None)
             left += width
-    ax.set_yticks(range(len(rows)), [f"{r['peers']} peers\n{r['allreduce_mb_s']:.0f} of {r['ceiling_mb_s'] or 0:.0f} MB/s"
+    ax.set_yticks(range(len(rows)), [f"{r['compression']}, {r['peers']} peers\n{r['allreduce_mb_s']:.0f} of "
+                                     f"{r['ceiling_mb_s'] or 0:.0f} MB/s"
                                      for r in rows])
     ax.set_xlabel("seconds per sync")
     ax.set_title(title)
@@ -280,7 +305,7 @@ def main() -> None:
                                                          "folder with config.json, or package.module:factory")
     parser.add_argument("--peers", type=int, nargs="+", default=[2])
     parser.add_argument("--syncs", type=int, default=4)
-    parser.add_argument("--compression", default="fp16")
+    parser.add_argument("--compression", nargs="+", default=["fp16"], help="wire codecs to compare")
     parser.add_argument("--device", default="cpu", help="where the model lives: cpu or cuda")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per peer process")
     parser.add_argument("--ceiling-mb", type=int, default=512, help="MB each peer sends to measure the ceiling")
@@ -293,17 +318,20 @@ def main() -> None:
 
         if not torch.cuda.is_available():
             parser.error("--device cuda: no CUDA device here; run on a GPU machine or use --device cpu")
-    rows = []
-    for peers in args.peers:
-        if peers < 2:
-            parser.error("--peers: at least 2")
-        ceiling = None if args.no_ceiling else transport_ceiling(peers, args.ceiling_mb)
-        if ceiling:
-            print(f"transport ceiling, {peers} peers: {ceiling:.0f} MB/s sent+received per peer", flush=True)
-        results = run_syncs(dict(vars(args), peers=peers))
-        rows.append(summarize(results, ceiling, skip_first=args.syncs > 1))
-        rows[-1].update(model=args.model, compression=args.compression, device=args.device, raw=results)
-        print_table(rows[-1:])
+    rows, ceilings = [], {}
+    for compression in args.compression:
+        for peers in args.peers:
+            if peers < 1:
+                parser.error("--peers: at least 1 (1: a lone peer's sync, its fixed costs alone)")
+            if peers not in ceilings:
+                ceilings[peers] = None if args.no_ceiling or peers == 1 else transport_ceiling(peers, args.ceiling_mb)
+                if ceilings[peers]:
+                    print(f"transport ceiling, {peers} peers: {ceilings[peers]:.0f} MB/s sent+received per peer",
+                          flush=True)
+            results = run_syncs(dict(vars(args), peers=peers, compression=compression))
+            rows.append(summarize(results, ceilings[peers], skip_first=args.syncs > 1))
+            rows[-1].update(model=args.model, compression=compression, device=args.device, raw=results)
+            print_table(rows[-1:])
     print()
     print_table(rows)
     if args.json:
@@ -311,7 +339,7 @@ def main() -> None:
             json.dump(rows, f, indent=1)
         print(f"wrote {args.json}")
     if args.png:
-        draw(rows, f"sync of {args.model} ({rows[0]['params'] / 1e6:.1f}M params, {args.compression})", args.png)
+        draw(rows, f"sync of {args.model} ({rows[0]['params'] / 1e6:.1f}M params)", args.png)
 
 
 if __name__ == "__main__":
