@@ -1,6 +1,6 @@
 """Where one DiLoCo sync's seconds go, against what hivemind's P2P streams can carry on the same machine.
 
-    python benchmarks/bench_sync.py --model small --peers 2 --syncs 4
+    python benchmarks/bench_sync.py --model small --peers 1 2 4 --syncs 5
     python benchmarks/bench_sync.py --model 124m --peers 1 2 4 --json sync.json --png sync.png
     python benchmarks/bench_sync.py --model path/to/hf_folder --device cuda
 
@@ -282,15 +282,16 @@ def draw(rows: List[dict], title: str, path: str) -> None:
         print("no PNG: matplotlib is missing; pip install matplotlib", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(8, 1.2 + 0.8 * len(rows)))
+    colors = dict(zip(PHASES, plt.get_cmap("tab10").colors))  # one color per phase in every row
     for y, row in enumerate(rows):
         left = 0.0
         for phase in PHASES:
             width = row["split"][phase]
-            ax.barh(y, width, left=left, label=phase if y == 0 else None)
+            ax.barh(y, width, left=left, color=colors[phase], label=phase if y == 0 else None)
             left += width
     ax.set_yticks(range(len(rows)), [f"{r['compression']}, {r['peers']} peers\n{r['allreduce_mb_s']:.0f} of "
-                                     f"{r['ceiling_mb_s'] or 0:.0f} MB/s"
-                                     for r in rows])
+                                     f"{r['ceiling_mb_s']:.0f} MB/s" if r["peers"] > 1 else
+                                     f"{r['compression']}, lone peer" for r in rows])
     ax.set_xlabel("seconds per sync")
     ax.set_title(title)
     ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.35))
@@ -311,6 +312,7 @@ def main() -> None:
     parser.add_argument("--ceiling-mb", type=int, default=512, help="MB each peer sends to measure the ceiling")
     parser.add_argument("--no-ceiling", action="store_true")
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--redraw", metavar="JSON", help="only draw --png from a --json file an earlier run wrote")
     parser.add_argument("--png", help="draw the time split here")
     args = parser.parse_args()
     if args.device.startswith("cuda"):
@@ -318,6 +320,11 @@ def main() -> None:
 
         if not torch.cuda.is_available():
             parser.error("--device cuda: no CUDA device here; run on a GPU machine or use --device cpu")
+    if args.redraw:
+        with open(args.redraw) as f:
+            rows = json.load(f)
+        draw(rows, f"sync of {rows[0]['model']} ({rows[0]['params'] / 1e6:.1f}M params)", args.png or "sync.png")
+        return
     rows, ceilings = [], {}
     for compression in args.compression:
         for peers in args.peers:
