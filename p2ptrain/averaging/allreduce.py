@@ -42,7 +42,7 @@ from hivemind.compression import CompressionInfo
 from hivemind.p2p import PeerID, StubBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
 from p2ptrain.hivemind_compat import own_input_part, own_input_part_shapes
 from p2ptrain.averaging.compression import WireCodec, WireFormatError
@@ -50,10 +50,6 @@ from p2ptrain.faults import kill_this_peer
 from p2ptrain.finite import all_finite
 
 logger = get_logger(__name__)
-
-PIPELINE_DEPTH = 4
-"""parts encoded, decoded or rounded ahead of the one being summed, on each stream and for our own range: the wire,
-the codec threads and the sums overlap instead of taking turns (hivemind prefetches 1)"""
 
 
 class ExactAllReduceRunner(AllReduceRunner):
@@ -86,7 +82,6 @@ class ExactAllReduceRunner(AllReduceRunner):
         """CPU seconds of each kind of work in this round (``RoundResult.phases``), summed over threads"""
         self._phases_lock = threading.Lock()
         self.tensor_part_container.compression = _TimedEncoder(self._codec, self)  # our parts, as hivemind cuts them
-        self.tensor_part_container.prefetch = PIPELINE_DEPTH  # our parts encoded, averages decoded ahead
         # shape of each part of each reducer's range: an average that comes back in another shape is a failure
         self._part_shapes_by_peer = own_input_part_shapes(self.tensor_part_container)
         # fault injection (p2ptrain.faults): SIGKILL this peer after answering that many averaged parts
@@ -152,13 +147,12 @@ class ExactAllReduceRunner(AllReduceRunner):
         except asyncio.TimeoutError:
             return False
 
-    def _serialize_average(self, part_index: int, averaged_part: torch.Tensor) -> asyncio.Future:
-        """The average of one part, compressed once (in a thread); every caller for that part gets the same
-        message. Returns the future at once: the caller goes on with the next part while it is encoded."""
+    async def _serialize_average(self, part_index: int, averaged_part: torch.Tensor) -> runtime_pb2.Tensor:
+        """Compress the average of one part once; every caller for that part gets the same message."""
         if part_index not in self._serialized_averages:
             loop = asyncio.get_event_loop()
             self._serialized_averages[part_index] = loop.run_in_executor(None, self._encode, averaged_part)
-        return self._serialized_averages[part_index]
+        return await self._serialized_averages[part_index]
 
     def _get_peer_stub(self, peer: PeerID) -> StubBase:
         return _CountingStub(super()._get_peer_stub(peer), self)
@@ -170,34 +164,15 @@ class ExactAllReduceRunner(AllReduceRunner):
         loop = asyncio.get_event_loop()
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
-        # our own contribution goes through the codec too, as it would to any other reducer; the next parts are
-        # rounded in threads while this one waits for the other senders' parts
-        rounded_parts = amap_in_executor(lambda part: self._decode(self._encode(part)),
-                                         as_aiter(*self.parts_for_local_averaging), max_prefetch=PIPELINE_DEPTH)
-        # averages to take as our result, in order: decoded in a thread while the next parts are summed
-        averages: asyncio.Queue = asyncio.Queue()
-
-        async def register_in_order() -> None:
-            while (item := await averages.get()) is not None:
-                part_index, serialized = item
-                # use exactly what the other senders receive: decompress(compress(average))
-                average = await loop.run_in_executor(None, self._decode, await serialized)
-                self.tensor_part_container.register_processed_part(peer_index, part_index, average)
-
-        registering = asyncio.create_task(register_in_order())
-        try:
-            part_index = 0
-            async for rounded_part in rounded_parts:
-                averaged_part = await self.tensor_part_reducer.accumulate_part(
-                    sender_index, part_index, rounded_part, weight=self.weight
-                )
-                averages.put_nowait((part_index, self._serialize_average(part_index, averaged_part)))
-                part_index += 1
-            averages.put_nowait(None)
-            await registering
-        finally:
-            if not registering.done():
-                registering.cancel()
+        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            # our own contribution goes through the codec too, as it would to any other reducer
+            rounded_part = await loop.run_in_executor(None, lambda: self._decode(self._encode(tensor_part)))
+            averaged_part = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, rounded_part, weight=self.weight
+            )
+            serialized = await self._serialize_average(part_index, averaged_part)
+            # use exactly what the other senders receive: decompress(compress(average))
+            self.tensor_part_container.register_processed_part(peer_index, part_index, self._decode(serialized))
 
     async def _communicate_with_remote_reducer(self, peer_id: PeerID):
         """Sender side: stream our parts of that reducer's range to it, register the averages it answers.
@@ -271,59 +246,39 @@ class ExactAllReduceRunner(AllReduceRunner):
             except WireFormatError as e:  # a broken or hostile sender: reject it like any other bad part
                 return None, msg.weight, msg.ByteSize(), str(e)
 
-        # parts are received, checked and summed by a task of their own, while the averages of earlier parts are
-        # encoded and sent back: the sender's upload never waits for its download
-        replies: asyncio.Queue = asyncio.Queue()  # futures of serialized averages, in order; None: no more
-        summed = {"parts": 0}
-
-        async def accumulate() -> None:
-            part_index = 0
-            try:
-                async for tensor_part, weight, num_bytes, undecodable in amap_in_executor(
-                    _deserialize, stream, max_prefetch=PIPELINE_DEPTH
-                ):
-                    self.bytes_received += num_bytes  # counted here, in the event loop, not in the executor thread
-                    if undecodable:
-                        problem = f"part #{part_index}, which does not decode: {undecodable}"
-                    else:
-                        with self.timed("checks"):
-                            problem = self._check_part(part_index, tensor_part, weight)
-                    if problem:
-                        logger.warning(f"Rejected a tensor part from {sender}: {problem}; excluding it from this round")
-                        self._on_bad_peer(sender, f"it sent a bad tensor part: {problem}")
-                        raise AllreduceException(f"{sender} sent a bad tensor part: {problem}")
-                    try:
-                        averaged_part = await self.tensor_part_reducer.accumulate_part(
-                            sender_index, part_index, tensor_part, weight=weight
-                        )
-                    except BannedException:
-                        logger.debug(f"Sender {sender} is already banned")
-                        break  # sender was banned, we no longer need to aggregate it
-                    replies.put_nowait(self._serialize_average(part_index, averaged_part))
-                    part_index += 1
-                    summed["parts"] = part_index
-            finally:
-                replies.put_nowait(None)
-
-        accumulating = asyncio.create_task(accumulate())
+        part_index = 0
         try:
-            while (serialized := await replies.get()) is not None:
-                reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=await serialized)
+            async for tensor_part, weight, num_bytes, undecodable in amap_in_executor(
+                _deserialize, stream, max_prefetch=self.tensor_part_container.prefetch
+            ):
+                self.bytes_received += num_bytes  # counted here, in the event loop, not in the executor thread
+                if undecodable:
+                    problem = f"part #{part_index}, which does not decode: {undecodable}"
+                else:
+                    with self.timed("checks"):
+                        problem = self._check_part(part_index, tensor_part, weight)
+                if problem:
+                    logger.warning(f"Rejected a tensor part from {sender}: {problem}; excluding it from this round")
+                    self._on_bad_peer(sender, f"it sent a bad tensor part: {problem}")
+                    raise AllreduceException(f"{sender} sent a bad tensor part: {problem}")
+                try:
+                    averaged_part = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=weight
+                    )
+                except BannedException:
+                    logger.debug(f"Sender {sender} is already banned")
+                    break  # sender was banned, we no longer need to aggregate it
+                serialized = await self._serialize_average(part_index, averaged_part)
+                part_index += 1
+                reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
                 self.bytes_sent += reply.ByteSize()
                 yield reply
                 self._parts_answered += 1
                 if self._die_after_parts is not None and self._parts_answered >= self._die_after_parts:
                     logger.warning(f"fault injection: dying mid-all-reduce after {self._parts_answered} part(s)")
                     kill_this_peer()
-            await accumulating  # a bad part: its AllreduceException, raised here
         finally:
-            if not accumulating.done():
-                accumulating.cancel()
-                try:
-                    await accumulating
-                except BaseException:
-                    pass
-            if summed["parts"] != self.tensor_part_reducer.num_parts:
+            if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(sender)
 
     def _check_part(self, part_index: int, tensor_part: torch.Tensor, weight: float) -> str:
