@@ -30,9 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
-import time
-from contextlib import contextmanager
 from typing import AsyncIterator, Callable, Dict, Optional
 
 import torch
@@ -46,6 +43,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_
 
 from p2ptrain.hivemind_compat import own_input_part, own_input_part_shapes
 from p2ptrain.averaging.compression import WireCodec, WireFormatError
+from p2ptrain.clock import PhaseClock
 from p2ptrain.faults import kill_this_peer
 from p2ptrain.finite import all_finite
 
@@ -78,9 +76,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._codec = self.tensor_part_container.compression
         if not isinstance(self._codec, WireCodec):
             raise TypeError(f"ExactAllReduceRunner needs a p2ptrain WireCodec, got {self._codec!r}")
-        self.phases: Dict[str, float] = {"encode": 0.0, "decode": 0.0, "checks": 0.0, "reduce": 0.0}
+        self.clock = PhaseClock()
         """CPU seconds of each kind of work in this round (``RoundResult.phases``), summed over threads"""
-        self._phases_lock = threading.Lock()
         self.tensor_part_container.compression = _TimedEncoder(self._codec, self)  # our parts, as hivemind cuts them
         # shape of each part of each reducer's range: an average that comes back in another shape is a failure
         self._part_shapes_by_peer = own_input_part_shapes(self.tensor_part_container)
@@ -101,23 +98,18 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._senders_served = asyncio.Event()
         self._senders_served.set()
 
-    @contextmanager
-    def timed(self, phase: str):
-        """Add the seconds of the ``with`` body to ``phases[phase]`` (from any thread)."""
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            with self._phases_lock:
-                self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - started
-
     def _encode(self, tensor: torch.Tensor) -> runtime_pb2.Tensor:
-        with self.timed("encode"):
+        with self.clock("encode"):
             return self._codec.compress(tensor, CompressionInfo.from_tensor(tensor))
 
     def _decode(self, message: runtime_pb2.Tensor) -> torch.Tensor:
-        with self.timed("decode"):
+        with self.clock("decode"):
             return self._codec.extract(message)
+
+    def _roundtrip(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What a reducer receives of our own ``tensor`` (the codec's direct path: int8 builds no message)."""
+        with self.clock("encode"):
+            return self._codec.roundtrip(tensor)
 
     def should_delay_results(self, peer_id: PeerID) -> bool:
         """Never: a client-mode sender (behind NAT, it reduces nothing) reads its averages while it still sends.
@@ -166,7 +158,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         sender_index = self.sender_peer_ids.index(peer_id)
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
             # our own contribution goes through the codec too, as it would to any other reducer
-            rounded_part = await loop.run_in_executor(None, lambda: self._decode(self._encode(tensor_part)))
+            rounded_part = await loop.run_in_executor(None, self._roundtrip, tensor_part)
             averaged_part = await self.tensor_part_reducer.accumulate_part(
                 sender_index, part_index, rounded_part, weight=self.weight
             )
@@ -209,7 +201,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                     problem = f"an average of shape {tuple(average.shape)} for part #{part_index}"
                 else:
                     own = own_input_part(self.tensor_part_container, peer_index, part_index)
-                    with self.timed("checks"):
+                    with self.clock("checks"):
                         problem = self._check_values(("sent", peer_index, part_index), average, own,
                                                      f"an average for part #{part_index}")
                 if problem:
@@ -255,7 +247,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 if undecodable:
                     problem = f"part #{part_index}, which does not decode: {undecodable}"
                 else:
-                    with self.timed("checks"):
+                    with self.clock("checks"):
                         problem = self._check_part(part_index, tensor_part, weight)
                 if problem:
                     logger.warning(f"Rejected a tensor part from {sender}: {problem}; excluding it from this round")
@@ -360,7 +352,7 @@ class _TimedEncoder:
         self._codec, self._runner = codec, runner
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False):
-        with self._runner.timed("encode"):
+        with self._runner.clock("encode"):
             return self._codec.compress(tensor, info, allow_inplace)
 
     def __getattr__(self, name):

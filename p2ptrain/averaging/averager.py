@@ -53,9 +53,9 @@ class RoundResult:
     allreduce_s: float = 0.0
     """seconds from the group's forming to the end of the all-reduce (the rest of a sync is matchmaking)"""
     phases: Dict[str, float] = field(default_factory=dict)
-    """CPU seconds inside the all-reduce by kind of work (``ExactAllReduceRunner.phases``): encode, decode, checks,
-    reduce, and ``write`` (the result copied into the shared buffers). The first four run on several threads while
-    the wire carries other parts, so they overlap each other and the all-reduce's wall time"""
+    """CPU seconds inside the all-reduce by kind of work (``ExactAllReduceRunner.clock``): encode, decode, checks,
+    and ``write`` (the result copied into the shared buffers). The first three run on several threads while the
+    wire carries other parts, so they overlap each other and the all-reduce's wall time"""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -345,7 +345,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
             if not await runner.wait_until_senders_served(SERVE_SENDERS_TIMEOUT_S):
                 logger.warning(f"a sender had not taken all of its averages {SERVE_SENDERS_TIMEOUT_S:.0f}s after "
                                "this peer had its own; going on without waiting for it")
-            with runner.timed("write"):
+            with runner.clock("write"):
                 for tensor, averaged_tensor in zip(tensors, averaged):
                     tensor.copy_(averaged_tensor)
             self.last_updated = time.time()
@@ -356,7 +356,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
             bytes_sent=runner.bytes_sent,
             bytes_received=runner.bytes_received,
             failed_fraction=container.failed_size / max(container.total_size, 1),
-            phases=dict(runner.phases),
+            phases=dict(runner.clock.seconds),
         )
 
 

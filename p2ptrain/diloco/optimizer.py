@@ -17,8 +17,9 @@ from p2ptrain.averaging import PseudoGradientAverager, RoundResult
 from p2ptrain.averaging.averager import PROTOCOL_VERSION
 from p2ptrain.averaging.compression import COMPRESSIONS, ERROR_FEEDBACK_BY_DEFAULT
 from p2ptrain.diloco.membership import Membership
-from p2ptrain.diloco.records import (NO_GROUP_POLICIES, Outcome, RoundOutcome, SyncClock, SyncRecord, Throughput,
-                                     _digest_of)
+from p2ptrain.clock import PhaseClock
+from p2ptrain.diloco.records import (NO_GROUP_POLICIES, Outcome, RoundOutcome, SyncRecord, Throughput, _digest_of,
+                                     sync_phases)
 from p2ptrain.diloco.rounds import Position, Rounds, RoundSettings
 from p2ptrain.diloco.state import StateSharingMixin, _SnapshotRequest
 from p2ptrain.finite import all_finite_many
@@ -148,7 +149,7 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         self.samples_since_sync = 0
         self._steps_since_sync = 0  # inner steps in this peer's pseudo-gradient (the norm check's scale)
         self.history: List[SyncRecord] = []
-        self._clock = SyncClock()  # the sync in progress's phases (SyncRecord.phases)
+        self._clock = PhaseClock()  # the sync in progress's phases (SyncRecord.phases)
         self._last_group: set = set()  # the other members of our last round that averaged (base58 ids)
         self._interrupted = threading.Event()  # set: stop looking for peers (the peer is leaving)
         self._sync_lock = threading.Lock()
@@ -312,12 +313,13 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
     @torch.no_grad()
     def _sync(self) -> SyncRecord:
         started = time.perf_counter()
-        clock = self._clock = SyncClock()
+        clock = self._clock = PhaseClock()
         self.throughput.update()
         # tell the others we are at the sync point now, not at the next periodic refresh: a round waits for the
         # live peers that have not got there yet (_plan_round), and would wait for us too. The store runs in the
         # DHT's process while this thread reads the records and computes the pseudo-gradient; it is waited for
         # (bounded) before matchmaking starts
+        store_deadline = time.monotonic() + FORCED_STORE_WAIT_S
         with clock("publish"):
             stored = self._publish_progress(force=True, wait=False)
         # one read of the records: this check, and the first attempt's plan
@@ -333,8 +335,7 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         with clock("pseudo_gradient"):
             diverged = self._fill_pseudo_gradient()
         with clock("publish"):
-            wait_until_stored(stored, FORCED_STORE_WAIT_S - clock.seconds["publish"] - clock.seconds["plan"]
-                              - clock.seconds["pseudo_gradient"])
+            wait_until_stored(stored, store_deadline - time.monotonic())
 
         weight = 0.0 if diverged else float(max(self.samples_since_sync, 1))
         with clock("round"):
@@ -411,15 +412,9 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
     def _record(self, started: float, result: Optional[RoundResult], attempts: int, **flags) -> SyncRecord:
         """Close the sync: its record in ``history`` (and the log), the next phase's counters, a fresh progress
         record. ``flags``: ``caught_up``, ``repaired``, ``abandoned`` (see ``SyncRecord``)."""
-        phases = dict(self._clock.seconds)
-        if "round" in phases:  # the rounds' wall time, less the all-reduce applied: matchmaking (and failed attempts)
-            phases["matchmaking"] = max(phases.pop("round") - (result.allreduce_s if result else 0.0), 0.0)
-        if result is not None:
-            phases["allreduce"] = result.allreduce_s
-            phases.update({f"allreduce.{name}": seconds for name, seconds in result.phases.items()})
         record = SyncRecord.of(result, outer_step=self.outer_step, seconds=time.perf_counter() - started,
                                samples=self.samples_since_sync, attempts=attempts, digest=self._digest,
-                               phases=phases, **flags)
+                               phases=sync_phases(self._clock.seconds, result), **flags)
         record.log(logger, self._tag())
         self.history.append(record)
         me = self.dht.peer_id.to_base58()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional
 
@@ -86,9 +85,9 @@ class SyncRecord:
     """seconds of the all-reduce that was applied, from the group's forming; the rest of ``seconds`` is
     matchmaking (and earlier attempts), the outer step and the digest"""
     phases: Dict[str, float] = field(default_factory=dict)
-    """where ``seconds`` went on this peer's critical path (``SyncClock``): publish, plan, pseudo_gradient,
+    """where ``seconds`` went on this peer's critical path (``sync_phases``): publish, plan, pseudo_gradient,
     matchmaking, allreduce, outer_step, digest, record; and inside the all-reduce, the CPU seconds of its encode,
-    decode, checks and reduce (``allreduce.*``, spread over threads that overlap the wire)"""
+    decode, checks and write (``allreduce.*``, spread over threads that overlap the wire)"""
 
     @classmethod
     def of(cls, result: Optional[RoundResult], **fields) -> "SyncRecord":
@@ -102,10 +101,6 @@ class SyncRecord:
             finished_at=time.time(), allreduce_s=result.allreduce_s, **fields,
         )
 
-    def non_wire_s(self) -> float:
-        """Seconds of this sync spent neither in matchmaking nor in the all-reduce: the fixed costs around it."""
-        return max(self.seconds - self.phases.get("matchmaking", 0.0) - self.allreduce_s, 0.0)
-
     def log(self, logger: logging.Logger, tag: str) -> None:
         if self.failed_fraction > 0:
             logger.warning(f"{tag} {self.failed_fraction:.1%} of the vector was not averaged (peer failure)")
@@ -118,19 +113,16 @@ class SyncRecord:
         return dict(self.__dict__)
 
 
-class SyncClock:
-    """Seconds per named phase of one sync: ``with clock("digest"): ...`` adds to ``clock.seconds["digest"]``."""
-
-    def __init__(self):
-        self.seconds: Dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, phase: str):
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
+def sync_phases(seconds: Dict[str, float], result: Optional[RoundResult]) -> Dict[str, float]:
+    """``SyncRecord.phases`` from a sync's clock: the rounds' wall time ("round"), less the all-reduce that was
+    applied, is matchmaking (and failed attempts); the all-reduce's own split comes from ``result``."""
+    phases = dict(seconds)
+    if "round" in phases:
+        phases["matchmaking"] = max(phases.pop("round") - (result.allreduce_s if result else 0.0), 0.0)
+    if result is not None:
+        phases["allreduce"] = result.allreduce_s
+        phases.update({f"allreduce.{name}": value for name, value in result.phases.items()})
+    return phases
 
 
 def _digest_of(tensors: Iterable[torch.Tensor]) -> str:
