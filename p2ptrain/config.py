@@ -55,6 +55,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from p2ptrain.fragments import check_schedule  # light: no torch
 from p2ptrain.hivemind_compat import multiaddr_class  # light: hivemind's address parser without hivemind itself
 from p2ptrain.model_config import MODEL_SIZES  # light: the built-in shapes, without torch
 
@@ -131,6 +132,17 @@ class DiLoCoConfig:
     compression: str = setting("fp16", choices=COMPRESSION_NAMES)
     """pseudo-gradients on the wire: "fp16" (half the bytes), "bf16" (half, fp32's range, coarser), "int8" (a
     quarter, per-block scales, with error feedback) or "none" (fp32)"""
+    fragments: int = setting(1, at_least=1)
+    """streaming sync: cut the parameters into this many fragments (runs of consecutive layers of about equal size),
+    each averaged at its own inner step of the phase while training goes on, so a peer sends about 1/fragments of
+    the model at a time (docs/ARCHITECTURE.md, "Streaming sync"); 1: all at once. Every peer of a run must agree"""
+    overlap_steps: int = setting(0, at_least=0)
+    """streaming sync: inner steps that go on while a fragment's round runs before its average is applied (tau in
+    Streaming DiLoCo); 0: training waits for each round. At most local_steps // fragments - 1"""
+    merge_alpha: float = setting(0.5, at_least=0)
+    """streaming sync with overlap_steps > 0: when a fragment's average is applied, the share of the model's own
+    values of it (trained on during the overlap) kept: local = alpha x local + (1 - alpha) x global (the Streaming
+    DiLoCo paper's mixing factor, 0.5; 0 drops the overlap's local progress), at most 1"""
     matchmaking_time_s: float = setting(5.0, above=0)
     """seconds a round looks for peers beyond those the live peers' progress records announce (a round whose
     announced peers are all in starts at once); raise it on slow links or if groups split"""
@@ -496,6 +508,10 @@ def validate(config: RunConfig) -> None:
          "(--total-steps)")
     need(d.total_steps is None or d.total_steps > d.warmup_steps,
          f"diloco.total_steps {d.total_steps} must be above diloco.warmup_steps {d.warmup_steps}")
+    try:
+        check_schedule(d.local_steps, d.fragments, d.overlap_steps, d.merge_alpha)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     problem = model_source_problem(t.model)
     need(not problem, problem)
 

@@ -80,3 +80,14 @@ def outer_step_(outer_optimizer: torch.optim.Optimizer, global_params: Sequence[
     if params is not None:
         for p, g in zip(params, global_params, strict=True):
             p.copy_(g)
+
+
+@torch.no_grad()
+def merge_(params: Sequence[torch.Tensor], global_params: Sequence[torch.Tensor], alpha: float) -> None:
+    """``params = alpha * params + (1 - alpha) * global_params``, in ``params``' own device and dtype (alpha 0 is a
+    plain copy: the bits of the global values)."""
+    for p, g in zip(params, global_params, strict=True):
+        if alpha == 0.0:
+            p.copy_(g)
+        else:
+            p.lerp_(g.to(p.device, p.dtype), 1.0 - alpha)

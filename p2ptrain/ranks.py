@@ -157,6 +157,9 @@ def _optimizer_factories(cfg: RunConfig, dht, publisher: Optional[ProgressPublis
         progress=publisher,
         inner_lr_schedule=inner_lr_schedule(diloco_cfg),
         outer_lr_schedule=outer_lr_schedule(diloco_cfg),
+        fragments=diloco_cfg.fragments,
+        overlap_steps=diloco_cfg.overlap_steps,
+        merge_alpha=diloco_cfg.merge_alpha,
     )
     return inner, make_diloco
 
@@ -224,6 +227,9 @@ class HsdpMesh(PeerRanks):
         return self.optimizer.diloco if self.optimizer is not None else None
 
     def build_optimizer(self, model, cfg, dht, publisher) -> None:
+        if cfg.diloco.fragments > 1 or cfg.diloco.overlap_steps > 0:
+            raise ConfigError("the streaming sync (--fragments, --overlap-steps) runs on peers of one process only "
+                              "for now; start this peer with one rank, or without those flags")
         inner, make_diloco = _optimizer_factories(cfg, dht, publisher)
         shard_model(model, self.mesh)
         # the ranks catch up together at a sync, never one of them mid-phase; the inner LR schedule drives the

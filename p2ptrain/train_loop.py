@@ -166,11 +166,14 @@ class TrainLoop:
                     report.train_started_at = time.time()
                 step_started = time.perf_counter()
                 synced_before = opt.outer_step
+                blocked_before = getattr(opt, "blocked_s", None)  # DiLoCoOptimizer's: syncs, catch-ups
                 loss_value, grad_norm = train_step(
                     model, opt, x[rows].to(device), y[rows].to(device), micro_batches=micro_batches, scaler=scaler,
                     grad_clip=cfg.grad_clip, device=device, precision=cfg.precision, batch_size=cfg.batch_size)
                 step_s = time.perf_counter() - step_started
-                if opt.outer_step != synced_before and opt.history:
+                if blocked_before is not None:
+                    step_s -= opt.blocked_s - blocked_before  # the sync work this step held up training for
+                elif opt.outer_step != synced_before and opt.history:
                     step_s -= opt.history[-1].seconds  # the sync this step ended with is not compute
                 report.compute_s += max(step_s, 0.0)
                 if report.first_loss is None:

@@ -94,7 +94,8 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
     """
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: DHT, *, compression: str,
-                 max_norm_ratio: Optional[float] = 10.0, **kwargs):
+                 max_norm_ratio: Optional[float] = 10.0, fragments: Optional[Sequence[Sequence[int]]] = None,
+                 **kwargs):
         check_hivemind()  # the internals below are hivemind 1.1.12's: refuse another hivemind in one line
         self.compression_name = compression
         # who may take part: the swarm key's rule (security.SwarmAuth) that start_dht attached to the DHT
@@ -117,6 +118,9 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         self._running_step = None  # averager process: the StepControl of the step in progress
         # base58 ids of the members that failed the last incomplete round, comma-separated (host reads them)
         self._failed_members = mp.Array(ctypes.c_char, MAX_PEER_LIST_BYTES)
+        # streaming sync: a round averages one fragment (a run of the tensors), which the host names per round
+        self.fragments = [list(f) for f in fragments] if fragments else [list(range(len(averaged_tensors)))]
+        self._round_fragment = mp.Value(ctypes.c_int64, 0)
         self._init_state_transfer()
 
     @property
@@ -139,7 +143,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         return set(_split_ids(self._failed_members.value))
 
     def set_round_plan(self, target_group_size: Optional[int], window_s: float, expected: Iterable[str] = (),
-                       max_group_size: Optional[int] = None) -> None:
+                       max_group_size: Optional[int] = None, fragment: int = 0) -> None:
         """For the next ``step``: start the group as soon as it has ``target_group_size`` members (None: only when
         the window ends), and look for peers for ``window_s`` seconds. hivemind fixes both when the averager is
         built; p2ptrain sets them per round from the swarm's progress records (DiLoCoOptimizer._plan_round).
@@ -152,6 +156,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         self._round_window_s.value = window_s
         self._round_expected.value = _joined_ids(expected, MAX_PEER_LIST_BYTES - 1)
         self._round_cap.value = max_group_size or 0
+        self._round_fragment.value = fragment
 
     state_provider = None
     """A callable returning (metadata, tensors, infos) that newcomers download; set by DiLoCoOptimizer."""
@@ -278,12 +283,16 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
             download_bandwidths = [
                 bandwidth if mode != AveragingMode.CLIENT else 0.0 for bandwidth, mode in zip(bandwidths, modes)
             ]
-            peer_fractions = await asyncio.get_event_loop().run_in_executor(
-                None, load_balance_peers, self.total_size, download_bandwidths, min_vector_size
-            )
-            scale = mine.get("norm_scale", 1.0) if isinstance(mine, dict) else 1.0
-            scale = float(scale) if isinstance(scale, (int, float)) and 1.0 <= scale < float("inf") else 1.0
-            async with enter_asynchronously(self.get_tensors()) as local_tensors:
+            # the fragment this round averages (every member set the same: it is part of the group key)
+            fragment = self.fragments[self._round_fragment.value]
+            async with enter_asynchronously(self.get_tensors()) as all_tensors:
+                local_tensors = [all_tensors[i] for i in fragment]
+                peer_fractions = await asyncio.get_event_loop().run_in_executor(
+                    None, load_balance_peers, sum(t.numel() for t in local_tensors), download_bandwidths,
+                    min_vector_size
+                )
+                scale = mine.get("norm_scale", 1.0) if isinstance(mine, dict) else 1.0
+                scale = float(scale) if isinstance(scale, (int, float)) and 1.0 <= scale < float("inf") else 1.0
                 result = await self._run_allreduce_inplace_(
                     local_tensors, group_info, peer_fractions=peer_fractions, norm_scale=scale, **kwargs
                 )

@@ -22,6 +22,8 @@ from p2ptrain.diloco.records import (NO_GROUP_POLICIES, Outcome, RoundOutcome, S
                                      sync_phases)
 from p2ptrain.diloco.rounds import Position, Rounds, RoundSettings
 from p2ptrain.diloco.state import StateSharingMixin, _SnapshotRequest
+from p2ptrain.diloco.streaming import StreamingMixin
+from p2ptrain.fragments import DEFAULT_MERGE_ALPHA, FragmentPlan
 from p2ptrain.finite import all_finite_many
 from p2ptrain.outer import add_error_feedback_, outer_step_, pseudo_gradient_
 from p2ptrain.schedules import Schedule, scale_lrs
@@ -33,7 +35,7 @@ FORCED_STORE_WAIT_S = 2.0
 """how long a forced progress record (our first, a sync point, a commit) is waited for before the peer goes on"""
 
 
-class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
+class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
     """A drop-in ``torch.optim.Optimizer`` that trains with DiLoCo across a hivemind swarm.
 
     :param params: the model's parameters (or parameter groups), handed to the inner optimizer as they are
@@ -76,6 +78,12 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
       ``p2ptrain/schedules.py``), applied before every inner step; None: the inner optimizer's LRs are left alone
     :param outer_lr_schedule: ``outer_step -> factor`` of the outer optimizer's base learning rate, applied before
       every outer step; None: left alone
+    :param fragments: streaming sync (``p2ptrain/fragments.py``): cut the parameters into this many runs of
+      consecutive tensors of about equal size, each averaged at its own inner step of the phase, in the background
+    :param overlap_steps: streaming sync: inner steps that go on while a fragment's round runs before its average is
+      applied (tau); at most ``local_steps // fragments - 1``. ``fragments=1, overlap_steps=0``: the blocking sync
+    :param merge_alpha: streaming sync with overlap: the share of the model's own values of a fragment kept when its
+      average is applied (``local = alpha * local + (1 - alpha) * global``)
 
     Learning-rate schedules: the base LR of a param group is its ``lr`` when the schedule first sees it, kept as
     ``group["initial_lr"]`` (as torch's LR schedulers do, so it is in checkpoints too). A schedule's LR is a pure
@@ -112,6 +120,9 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         catch_up_mid_phase: bool = True,
         inner_lr_schedule: Optional[Schedule] = None,
         outer_lr_schedule: Optional[Schedule] = None,
+        fragments: int = 1,
+        overlap_steps: int = 0,
+        merge_alpha: float = DEFAULT_MERGE_ALPHA,
     ):
         _check_arguments(local_steps=local_steps, no_group_policy=no_group_policy,
                          matchmaking_time_s=matchmaking_time_s, averaging_timeout_s=averaging_timeout_s,
@@ -131,6 +142,8 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
             for p in self.params
         ]
         self.outer_optimizer = outer_optimizer(self.global_params)
+        self.plan = FragmentPlan.build([g.numel() for g in self.global_params], local_steps, fragments,
+                                       overlap_steps, merge_alpha)
         self.inner_lr_schedule, self.outer_lr_schedule = inner_lr_schedule, outer_lr_schedule
 
         self.dht, self.run_id = dht, run_id
@@ -149,6 +162,9 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         self.samples_since_sync = 0
         self._steps_since_sync = 0  # inner steps in this peer's pseudo-gradient (the norm check's scale)
         self.history: List[SyncRecord] = []
+        self.blocked_s = 0.0
+        """seconds ``step()`` spent on anything but the inner step (syncs, catching up, serving a snapshot): what a
+        training loop subtracts to count compute time"""
         self._clock = PhaseClock()  # the sync in progress's phases (SyncRecord.phases)
         self._last_group: set = set()  # the other members of our last round that averaged (base58 ids)
         self._interrupted = threading.Event()  # set: stop looking for peers (the peer is leaving)
@@ -175,6 +191,7 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
             client_mode=client_mode,
             shutdown_timeout=5,
             max_norm_ratio=max_norm_ratio,
+            fragments=self.plan.tensors,
         )
         self.error_feedback = compression in ERROR_FEEDBACK_BY_DEFAULT if error_feedback is None else error_feedback
         # error feedback: what the wire dropped of this peer's last averaged pseudo-gradient, to be sent next time.
@@ -194,6 +211,7 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         self.throughput = Throughput()
         self.catch_up_mid_phase = catch_up_mid_phase
         self._no_donor_at_outer_step = -1  # a mid-phase catch-up found no donor at this outer step: wait for the sync
+        self._init_streaming()
         self.membership = Membership(dht, run_id, self.averager, progress, progress_period_s=progress_period_s,
                                      settings=self.run_settings(), watch_swarm=catch_up_mid_phase,
                                      averager_start_timeout_s=averager_start_timeout_s,
@@ -230,28 +248,39 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], float]] = None, batch_size: Optional[int] = None):
         """One inner step; every ``local_steps`` inner steps, also a sync. Returns what the closure returned."""
         self._require_started()
+        samples = batch_size if batch_size is not None else (self.batch_size or 1)
         with self._state_lock:
             self._apply_lr_schedules()  # local_step may have jumped since the last step (a catch-up)
             loss = self.inner_optimizer.step(closure)
             self.local_step += 1
+            stepped = time.perf_counter()
+            if self.plan.streaming:  # a fragment's round starts here, under the lock: a donor sees it all or none
+                self._launch_due(samples)
         self._serve_snapshot_request()  # a donor snapshot asked for since the last step: copy it now, on this core
-        samples = batch_size if batch_size is not None else (self.batch_size or 1)
         self.samples_since_sync += samples
         self._steps_since_sync += 1
         self.throughput.samples += samples
-        if self.local_step % self.local_steps == 0:
+        if self.plan.streaming:
+            self._streaming_after_step()
+            if self._in_flight is None:
+                self._serve_snapshot_request()  # one asked for while a round was in flight: served now
+        if self.plan.streaming and self._in_flight is not None:
+            self._publish_progress()
+        elif not self.plan.streaming and self.local_step % self.local_steps == 0:
             self.sync()
         elif (self.catch_up_mid_phase and self.progress.swarm_outer_step > self.outer_step
               and self._no_donor_at_outer_step != self.outer_step):
             self._catch_up_mid_phase()
         else:
             self._publish_progress()
+        self.blocked_s += time.perf_counter() - stepped
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
+        self.flush()  # a fragment round in flight ends first: the state holds no half-done round
         # the error-feedback residual is left out on purpose: a resumed peer starts without one (at most one
         # rounding step of its last pseudo-gradient is lost), and a checkpoint stays the same across codecs
         return {
@@ -282,6 +311,7 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         self.samples_since_sync = state_dict["samples_since_sync"]
         self._steps_since_sync = self.local_step % self.local_steps
         self._reset_residuals()
+        self._reset_fragment_counters()
         self._apply_lr_schedules()
 
     def load_state_from_peers(self, timeout_s: float = 120.0) -> bool:
@@ -305,6 +335,9 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
     def sync(self) -> SyncRecord:
         """Average pseudo-gradients with the swarm and take one outer step. Never raises for network failures."""
         self._require_started()
+        if self.plan.streaming:
+            raise RuntimeError("this optimizer syncs its fragments on their own schedule inside step() (fragments > 1 "
+                               "or overlap_steps > 0); sync() is the blocking sync of all parameters")
         # close() from another thread waits for this lock: shutting the averager down under a running step()
         # would leave that step waiting for an answer from a process that is gone
         with self._sync_lock:
@@ -415,10 +448,15 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         record = SyncRecord.of(result, outer_step=self.outer_step, seconds=time.perf_counter() - started,
                                samples=self.samples_since_sync, attempts=attempts, digest=self._digest,
                                phases=sync_phases(self._clock.seconds, result), **flags)
-        record.log(logger, self._tag())
-        self.history.append(record)
         me = self.dht.peer_id.to_base58()
         self._last_group = {peer for peer in result.gathered if peer != me} if result else set()
+        return self._finish_record(record)
+
+    def _finish_record(self, record: SyncRecord) -> SyncRecord:
+        """The rest of closing a sync: its record in ``history`` and the log, the next phase's counters, a fresh
+        progress record."""
+        record.log(logger, self._tag())
+        self.history.append(record)
         self._phase_started = time.monotonic()
         if not record.abandoned:  # an abandoned round's samples are still in the model, to be synced later
             self.samples_since_sync = 0
@@ -461,7 +499,8 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         schema = hashlib.sha256(repr([(tuple(g.shape), str(g.dtype)) for g in self.global_params]).encode())
         return dict(params_schema=schema.hexdigest()[:16], num_parameters=sum(g.numel() for g in self.global_params),
                     num_tensors=len(self.global_params), local_steps=self.local_steps,
-                    compression=self.averager.compression_name, protocol=PROTOCOL_VERSION)
+                    compression=self.averager.compression_name, protocol=PROTOCOL_VERSION,
+                    sync_schedule=self.plan.describe())
 
     # ------------------------------------------------------------------------------------------- housekeeping
 
@@ -500,6 +539,9 @@ class DiLoCoOptimizer(StateSharingMixin, torch.optim.Optimizer):
         peer's progress record and stop the averager process. The DHT belongs to the caller and stays up. Safe to
         call twice, before ``start()`` and after a failed one."""
         # a sync in flight stops retrying once interrupted; its current attempt may finish (bounded)
+        if getattr(self, "_in_flight", None) is not None and self.membership.started:
+            self.interrupt()
+            self.flush()  # a fragment round in flight: applied if its group averaged, else abandoned
         attempt_s = self.matchmaking_time_s + self._request_timeout_s + self.averaging_timeout_s + 15.0
         self.membership.leave(self.interrupt, self._sync_lock, attempt_s,
                               last_round=lambda: (self._last_group, self.outer_step))

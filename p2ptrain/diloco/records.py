@@ -60,7 +60,8 @@ class SyncRecord:
     """peers in the group, this one included (1 when not averaged); a member whose parts the reducers refused (a
     bad or hostile peer, see averaging/allreduce.py) still counts, though nothing of it was averaged"""
     seconds: float
-    """wall time of the whole sync: matchmaking, all-reduce and the outer step"""
+    """wall time of the whole sync: matchmaking, all-reduce and the outer step (streaming sync: the seconds the
+    phase's fragment rounds held up training)"""
     bytes_sent: int = 0
     bytes_received: int = 0
     samples: int = 0
@@ -87,7 +88,13 @@ class SyncRecord:
     phases: Dict[str, float] = field(default_factory=dict)
     """where ``seconds`` went on this peer's critical path (``sync_phases``): publish, plan, pseudo_gradient,
     matchmaking, allreduce, outer_step, digest, record; and inside the all-reduce, the CPU seconds of its encode,
-    decode, checks and write (``allreduce.*``, spread over threads that overlap the wire)"""
+    decode, checks and write (``allreduce.*``, spread over threads that overlap the wire). A streaming sync's
+    phase has: blocked (= ``seconds``), rounds (the fragments' rounds' wall time, mostly overlapped with training)
+    and waited (for rounds still running at their apply step)"""
+    fragments: List[dict] = field(default_factory=list)
+    """streaming sync: each fragment's round in this phase (``StreamingMixin._finish``): fragment, averaged,
+    group_size, attempts, launched_at_step, applied_at_step, round_s, waited_s, blocked_s, allreduce_s, bytes_sent,
+    bytes_received, weight, repaired. Empty for the blocking sync"""
 
     @classmethod
     def of(cls, result: Optional[RoundResult], **fields) -> "SyncRecord":

@@ -75,6 +75,18 @@ class Position:
     """the other members of this peer's last round that averaged (base58 ids)"""
     gather: Dict[str, Any] = field(default_factory=dict)
     """what this peer attaches to its join request: its outer step, samples, digest, norm scale"""
+    fragment: int = 0
+    """the fragment this round averages (streaming sync, ``fragments.FragmentPlan``; 0 of 1: all parameters)"""
+    fragments: int = 1
+
+    @property
+    def group_bits(self) -> str:
+        """The matchmaking key's bits: peers only group with peers at the same outer step (and fragment), so a peer
+        that fell behind finds nobody and catches up instead of averaging against stale parameters."""
+        bits = format(self.outer_step % 256, "08b")
+        if self.fragments > 1:
+            bits += format(self.fragment, f"0{(self.fragments - 1).bit_length()}b")
+        return bits
 
 
 class Rounds:
@@ -136,7 +148,7 @@ class Rounds:
                 break
             target, window_s = self._plan_round(ready, late, late_deadline - now)
             self.averager.set_round_plan(target, window_s, expected=[*ready, *late],
-                                         max_group_size=cfg.target_group_size)
+                                         max_group_size=cfg.target_group_size, fragment=position.fragment)
             logger.debug(f"{self._tag()} attempt {attempts}: ready {[p[-8:] for p in ready]}, late "
                          f"{ {p[-8:]: outlook.late[p] for p in late} } at local step {position.local_step}: "
                          f"target {target}, window {window_s:.1f}s")
@@ -210,9 +222,7 @@ class Rounds:
         """One matchmaking + all-reduce attempt; None if it formed no group or failed (logged at debug level: the
         caller decides what a failure means)."""
         try:
-            # peers only group with peers at the same outer step: a peer that fell behind finds nobody and
-            # catches up from live peers instead of averaging a pseudo-gradient computed from stale parameters
-            self.averager.set_group_bits(format(position.outer_step % 256, "08b"))
+            self.averager.set_group_bits(position.group_bits)
             # the leader waits window_s for followers; allow a request timeout on top
             matchmaking_timeout_s = window_s + self.settings.request_timeout_s + 1.0
             control = self.averager.step(

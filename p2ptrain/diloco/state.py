@@ -79,6 +79,10 @@ class StateSharingMixin:
         steps = [r.local_step for r in fetch_progress(self.dht, self.run_id, timeout_s=5.0)
                  if r.peer_id != me and r.outer_step == self.outer_step]
         next_sync = (self.local_step // self.local_steps + 1) * self.local_steps
+        if self.plan.streaming:  # never skip a fragment's launch step: its round would start without us
+            phase_start = next_sync - self.local_steps
+            launches = [phase_start + self.plan.launch_at(f) for f in range(self.plan.fragments)]
+            next_sync = min([step for step in launches if step > self.local_step], default=next_sync)
         target = min(max(steps, default=-1), next_sync - 1)
         if target > self.local_step:
             logger.info(f"{self._tag()} the swarm is {target - self.local_step} inner step(s) further in this phase "
@@ -141,7 +145,8 @@ class StateSharingMixin:
                 self._staging = torch.zeros(size, dtype=torch.float32).share_memory_()
             request = _SnapshotRequest(self._staging)
             self._snapshot_request = request
-            if not request.done.wait(timeout=1.0):
+            deadline = time.monotonic() + self.averaging_timeout_s  # a fragment round in flight ends within it
+            while not request.done.wait(timeout=1.0) and time.monotonic() < deadline:
                 self._serve_snapshot_request()
             self._snapshot_request = None
             if request.metadata is not None:
@@ -151,10 +156,12 @@ class StateSharingMixin:
     def _serve_snapshot_request(self) -> None:
         """Copy the state into the staging buffer if a donor snapshot was asked for (any thread)."""
         request = self._snapshot_request
-        if request is None or request.done.is_set():
+        if request is None or request.done.is_set() or self._in_flight is not None:
             return
         with self._state_lock:
-            if request.done.is_set():
+            # a fragment round in flight (streaming sync): the state is half-way between two versions of that
+            # fragment; it is served once the round is applied, at most overlap_steps inner steps later
+            if request.done.is_set() or self._in_flight is not None:
                 return
             started = time.perf_counter()
             tensors, metadata = self._state_layout()
@@ -242,6 +249,7 @@ class StateSharingMixin:
             self._committed_local_step = -1 if self._donor_in_round else self.local_step
             self.samples_since_sync = 0
             self._steps_since_sync = 0
+            self._reset_fragment_counters()
             self._digest = self._global_digest()
             self._reset_residuals()  # our rounding residual belongs to a trajectory this peer just left
         self.averager.set_host_outer_step(self.outer_step)

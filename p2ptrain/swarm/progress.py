@@ -39,14 +39,14 @@ MODEL_FIELDS = ("model", "n_layer", "n_embd", "n_head", "block_size", "vocab_siz
                 "params_schema")
 """the PeerProgress fields that describe the model; ``params_schema`` (a digest of the tensors' shapes and dtypes)
 is what decides, the others put the difference in words"""
-RUN_FIELDS = ("local_steps", "compression", "seed", "protocol")
+RUN_FIELDS = ("local_steps", "compression", "seed", "protocol", "sync_schedule")
 SETTINGS = MODEL_FIELDS + RUN_FIELDS
 """the PeerProgress fields every peer of a run must agree on"""
 WORKER_FIELDS = ("data", "batch_size", "threads")
 """settings a worker publishes that may differ between the peers of a run: shown by status, never compared"""
 
 _RUN_FIELD_WORDS = {"local_steps": "H (local_steps)", "compression": "codec (compression)", "seed": "seed",
-                    "protocol": "protocol version"}
+                    "protocol": "protocol version", "sync_schedule": "streaming sync (--fragments, --overlap-steps)"}
 
 
 def _known(value) -> bool:

@@ -47,7 +47,7 @@ def third_dht(two_dhts):
     node.shutdown()
 
 
-def train_peers(dhts, *, compression: str, local_steps: int, outer_steps: int, run_id: str, sizes=None):
+def train_peers(dhts, *, compression: str, local_steps: int, outer_steps: int, run_id: str, sizes=None, **options):
     """Drive one DiLoCoOptimizer per DHT from its own thread through the public API only: ``step(batch_size=n)``
     on a batch of n samples, then ``zero_grad()``, every inner step (every ``local_steps``-th step syncs inside
     ``step``). ``sizes[i]``: peer i's batch sizes, one per inner step (default 8 each). Returns models, optimizers
@@ -68,6 +68,7 @@ def train_peers(dhts, *, compression: str, local_steps: int, outer_steps: int, r
             averaging_timeout_s=30.0,
             batch_size=8,  # the default weight unit: every step() below names its own batch size, which must win
             target_group_size=len(dhts),
+            **options,
         ).start()
         for model, dht in zip(models, dhts)
     ]

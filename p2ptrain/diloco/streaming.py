@@ -1,0 +1,235 @@
+"""The streaming sync of ``DiLoCoOptimizer`` (``StreamingMixin``): each fragment of the parameters is averaged at
+its own inner step of the phase, in a thread of its own while training goes on, and applied ``overlap_steps``
+later (``p2ptrain/fragments.py`` has the plan, ``docs/ARCHITECTURE.md`` "Streaming sync" the whole story).
+
+A fragment's round is the blocking sync's round over fewer tensors: the same ``Rounds`` (planned from the progress
+records, matchmaking keyed to the outer step and the fragment), the same exact all-reduce, checks and outcomes. What
+differs is when the training thread waits: only when it reaches the fragment's apply step before the round ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+
+from p2ptrain.diloco.records import Outcome, RoundOutcome, SyncRecord, _digest_of
+from p2ptrain.diloco.rounds import Position
+from p2ptrain.finite import all_finite_many
+from p2ptrain.outer import add_error_feedback_, merge_, pseudo_gradient_
+from p2ptrain.swarm.progress import wait_until_stored
+
+logger = logging.getLogger("p2ptrain.diloco")
+
+FORCED_STORE_WAIT_S = 2.0
+"""how long a fragment's round waits (in its own thread) for this peer's record at the launch step to be stored"""
+
+
+@dataclass
+class FragmentRound:
+    """One fragment's round in flight: launched at an inner step, its outcome filled in by its thread."""
+
+    fragment: int
+    local_step: int
+    """the inner step at which its pseudo-gradient was taken"""
+    weight: float
+    launched: float = field(default_factory=time.perf_counter)
+    thread: Optional[threading.Thread] = None
+    outcome: Optional[RoundOutcome] = None
+    ended: float = 0.0
+    """perf_counter when the round's outcome was known"""
+
+
+@dataclass
+class PhaseLog:
+    """The fragment rounds of the current inner phase, for the phase's ``SyncRecord``."""
+
+    blocked_s: float = 0.0
+    """seconds the training thread spent on the sync this phase: taking pseudo-gradients, waiting, applying"""
+    attempts: int = 0
+    fragments: List[dict] = field(default_factory=list)
+
+
+class StreamingMixin:
+    """The streaming half of ``DiLoCoOptimizer``: it uses the optimizer's plan, rounds, averager and tensors."""
+
+    def _init_streaming(self) -> None:
+        fragments = self.plan.fragments
+        self._in_flight: Optional[FragmentRound] = None
+        self._fragment_samples = [0] * fragments  # samples behind each fragment's next pseudo-gradient
+        self._fragment_steps = [0] * fragments  # inner steps behind it (the norm check's scale)
+        self._phase = PhaseLog()
+
+    def _reset_fragment_counters(self) -> None:
+        """After the state was taken or loaded: the next pseudo-gradients hold only the steps from here."""
+        self._fragment_samples = [0] * self.plan.fragments
+        self._fragment_steps = [0] * self.plan.fragments
+        self._phase = PhaseLog()
+
+    # ------------------------------------------------------------------------------------------ the schedule
+
+    def _streaming_after_step(self) -> None:
+        """After an inner step (local_step already counted, the launch due at it done under the state lock): apply
+        the fragment due at this step."""
+        fragment = self.plan.due(self.local_step, self.plan.apply_at)
+        if fragment is not None:
+            self._finish(fragment)
+
+    def _launch_due(self, samples: int) -> None:
+        """Count this step's samples, then start the round of the fragment due at this step, if one is. Called by
+        ``step()`` under the state lock, so a donor's snapshot sees the launch done or not started."""
+        for f in range(self.plan.fragments):
+            self._fragment_samples[f] += samples
+            self._fragment_steps[f] += 1
+        fragment = self.plan.due(self.local_step, self.plan.launch_at)
+        if fragment is not None:
+            self._launch(fragment)
+
+    @torch.no_grad()
+    def _launch(self, fragment: int) -> None:
+        started = time.perf_counter()
+        if self._in_flight is not None:  # cannot happen with a valid plan (tau < H // F); never run two at once
+            self._finish(self._in_flight.fragment)
+        indices = self.plan.tensors[fragment]
+        diverged = False
+        with self.averager.get_tensors() as all_buffers:
+            buffers = [all_buffers[i] for i in indices]
+            pseudo_gradient_(buffers, [self.global_params[i] for i in indices], [self.params[i] for i in indices])
+            if not all_finite_many(buffers):
+                diverged = True
+                for buffer in buffers:
+                    buffer.zero_()
+                logger.error(f"{self._tag()} fragment {fragment}'s pseudo-gradient has NaN/inf values (local "
+                             "training diverged); it joins the round with weight 0 and takes the group's average")
+            elif self._residuals is not None:
+                add_error_feedback_(buffers, [self._residuals[i] for i in indices], self.averager.codec,
+                                    self.averager.part_size_bytes)
+        steps = max(1, min(self._fragment_steps[fragment], self.local_steps))
+        weight = 0.0 if diverged else float(max(self._fragment_samples[fragment], 1))
+        position = Position(
+            outer_step=self.outer_step, local_step=self.local_step, phase_started=self._phase_started,
+            last_group=self._last_group, fragment=fragment, fragments=self.plan.fragments,
+            gather={"outer_step": self.outer_step, "samples": self._fragment_samples[fragment],
+                    "digest": _digest_of(self.global_params[i] for i in indices), "fragment": fragment,
+                    "norm_scale": self.local_steps / steps},
+        )
+        self._fragment_samples[fragment] = 0
+        self._fragment_steps[fragment] = 0
+        stored = self._publish_progress(force=True, wait=False)  # the others see us at this launch step
+        round_ = FragmentRound(fragment, self.local_step, weight)
+
+        def run() -> None:
+            try:
+                wait_until_stored(stored, FORCED_STORE_WAIT_S)
+                round_.outcome = self.rounds.run(weight, position)
+            except Exception as e:  # a network failure is a value: the fragment is applied as a failed round
+                logger.warning(f"{self._tag()} fragment {fragment}'s round failed unexpectedly: {e!r}")
+                round_.outcome = RoundOutcome(Outcome.NO_GROUP, 0)
+            round_.ended = time.perf_counter()
+
+        round_.thread = threading.Thread(target=run, name=f"p2ptrain-fragment-{fragment}", daemon=True)
+        self._in_flight = round_
+        round_.thread.start()
+        self._phase.blocked_s += time.perf_counter() - started
+
+    @torch.no_grad()
+    def _finish(self, fragment: int) -> None:
+        """Wait for ``fragment``'s round and apply it: the outer step on its global values, merged into the model's."""
+        with self._sync_lock:  # the training thread, or shutdown() from another one: once
+            self._finish_locked(fragment)
+
+    @torch.no_grad()
+    def _finish_locked(self, fragment: int) -> None:
+        started = time.perf_counter()
+        round_ = self._in_flight
+        if round_ is None or round_.fragment != fragment:
+            # nothing of ours in flight for it: this peer resumed from a checkpoint written after the round was
+            # applied early (``flush``), or took the state past the launch step (donors serve none while a round
+            # is in flight, so not from a donor). The fragment stays where it is
+            logger.info(f"{self._tag()} fragment {fragment} is due but no round of it is in flight; nothing to apply")
+            return
+        round_.thread.join()
+        self._in_flight = None
+        outcome = round_.outcome or RoundOutcome(Outcome.NO_GROUP, 0)
+        self._phase.attempts += outcome.attempts
+        waited = time.perf_counter() - started
+        indices = self.plan.tensors[fragment]
+        if outcome.kind is not Outcome.AVERAGED and self._residuals is not None:
+            for i in indices:
+                self._residuals[i].zero_()
+        if outcome.kind is Outcome.BEHIND:
+            logger.warning(f"{self._tag()} the swarm has moved past outer step {self.outer_step} (fragment "
+                           f"{fragment}); discarding this peer's pseudo-gradients and taking the state from live peers")
+            self._phase.blocked_s += waited
+            if self._catch_up_and_join(started, outcome.attempts) is not None:
+                self._reset_fragment_counters()
+                return
+        if outcome.kind is not Outcome.AVERAGED and self._interrupted.is_set():
+            # leaving: commit nothing the swarm did not; the fragment's local progress stays in the model
+            logger.warning(f"{self._tag()} leaving: abandoning fragment {fragment}'s round without an outer step")
+            self._phase.blocked_s += time.perf_counter() - started
+            return
+        if outcome.kind is Outcome.NO_GROUP:
+            self.rounds.explain_no_group()
+            logger.warning(f"{self._tag()} no group formed for fragment {fragment} after {outcome.attempts} "
+                           "attempt(s); applying this peer's own pseudo-gradient (no_group_policy=apply_local)")
+        alpha = self.plan.merge_alpha if self.plan.overlap_steps > 0 else 0.0
+        with self.averager.get_tensors() as all_buffers, self._state_lock:
+            self._apply_lr_schedules()
+            globals_ = [self.global_params[i] for i in indices]
+            for g, i in zip(globals_, indices):
+                g.grad = all_buffers[i]
+            self.outer_optimizer.step()  # SGD steps only the tensors with a gradient: this fragment's
+            for g in globals_:
+                g.grad = None
+            merge_([self.params[i] for i in indices], globals_, alpha)
+            last = fragment == self.plan.fragments - 1
+            if last:
+                self.outer_step += 1
+                self._committed_local_step = self.local_step
+        self._digest = self._global_digest()
+        result = outcome.result if outcome.kind is Outcome.AVERAGED else None
+        if result is not None:
+            me = self.dht.peer_id.to_base58()
+            self._last_group = {peer for peer in result.gathered if peer != me}
+        repaired = result is not None and self._repair_if_diverged(result)
+        if repaired:  # the state was taken anew: the next pseudo-gradients count from here
+            self._reset_fragment_counters()
+        blocked = time.perf_counter() - started
+        self._phase.blocked_s += blocked
+        self._phase.fragments.append(dict(
+            fragment=fragment, averaged=result is not None, group_size=result.group_size if result else 1,
+            attempts=outcome.attempts, launched_at_step=round_.local_step, applied_at_step=self.local_step,
+            round_s=round_.ended - round_.launched, waited_s=waited, blocked_s=blocked, repaired=repaired,
+            allreduce_s=result.allreduce_s if result else 0.0, bytes_sent=result.bytes_sent if result else 0,
+            bytes_received=result.bytes_received if result else 0, weight=round_.weight,
+        ))
+        if last:
+            self._record_phase()
+
+    def _record_phase(self) -> None:
+        """The phase's ``SyncRecord``: one per outer step, as with the blocking sync, with each fragment's round."""
+        phase, self._phase = self._phase, PhaseLog()
+        rounds = phase.fragments
+        record = SyncRecord(
+            outer_step=self.outer_step, averaged=bool(rounds) and all(r["averaged"] for r in rounds),
+            group_size=min((r["group_size"] for r in rounds), default=1), seconds=phase.blocked_s,
+            bytes_sent=sum(r["bytes_sent"] for r in rounds), bytes_received=sum(r["bytes_received"] for r in rounds),
+            samples=self.samples_since_sync, attempts=phase.attempts, digest=self._digest, finished_at=time.time(),
+            allreduce_s=sum(r["allreduce_s"] for r in rounds), repaired=any(r["repaired"] for r in rounds),
+            phases={"blocked": phase.blocked_s, "rounds": sum(r["round_s"] for r in rounds),
+                    "waited": sum(r["waited_s"] for r in rounds)},
+            fragments=rounds,
+        )
+        self._finish_record(record)
+
+    def flush(self) -> None:
+        """Finish the fragment round in flight, if any (wait for it and apply it), so the optimizer's state holds
+        no half-done round: ``state_dict`` and ``shutdown`` call it."""
+        round_ = getattr(self, "_in_flight", None)
+        if round_ is not None:
+            self._finish(round_.fragment)

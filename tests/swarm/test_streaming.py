@@ -1,0 +1,128 @@
+"""The streaming sync (fragments, overlap) against real hivemind peers on 127.0.0.1: the exact Streaming DiLoCo math,
+identical global bits on every peer after every fragment's round, and the blocking sync's guarantees per fragment."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2ptrain.averaging.compression import get_compression
+from p2ptrain.fragments import FragmentPlan
+from p2ptrain.outer import group_average, merge_
+from tests.swarm.test_diloco_exact import INNER, OUTER, batches, make_model, two_dhts  # noqa: F401 (fixture)
+from tests.swarm.test_diloco_exact import train_peers
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
+
+
+def streaming_reference(num_peers: int, plan: FragmentPlan, *, outer_steps: int, codec, part_size_bytes: int,
+                        batch: int = 8):
+    """The streaming swarm in one process, with no network: each peer's inner AdamW replayed on its own model with
+    the same data; at fragment p's launch step its pseudo-gradient (global - local, over p's tensors) is taken, at its
+    apply step the group's sample-weighted average (as the all-reduce computes it) steps p's global values with the
+    outer Nesterov SGD, and every peer merges them into its own (``local = alpha * local + (1 - alpha) * global``).
+    Returns the global parameters and each peer's model parameters at the end of each phase."""
+    H = plan.local_steps
+    models = [make_model() for _ in range(num_peers)]
+    inner = [INNER(model.parameters()) for model in models]
+    data = [batches(i, [batch] * (H * outer_steps)) for i in range(num_peers)]
+    global_params = [torch.nn.Parameter(p.detach().clone()) for p in models[0].parameters()]
+    outer = OUTER(global_params)
+    alpha = plan.merge_alpha if plan.overlap_steps > 0 else 0.0
+    samples = [[0] * plan.fragments for _ in range(num_peers)]
+    pending = {}  # fragment -> (contributions, weights)
+    after = []
+    for step in range(1, H * outer_steps + 1):
+        for i, (model, opt) in enumerate(zip(models, inner)):
+            x, y = data[i][step - 1]
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            for f in range(plan.fragments):
+                samples[i][f] += len(x)
+        launch = plan.due(step, plan.launch_at)
+        if launch is not None:
+            params = [list(model.parameters()) for model in models]
+            with torch.no_grad():
+                contributions = [[global_params[t] - params[i][t] for t in plan.tensors[launch]]
+                                 for i in range(num_peers)]
+            pending[launch] = (contributions, [float(samples[i][launch]) for i in range(num_peers)])
+            for i in range(num_peers):
+                samples[i][launch] = 0
+        apply = plan.due(step, plan.apply_at)
+        if apply is not None:
+            contributions, weights = pending.pop(apply)
+            average = group_average(contributions, weights, codec, part_size_bytes)
+            fragment = [global_params[t] for t in plan.tensors[apply]]
+            for g, a in zip(fragment, average):
+                g.grad = a
+            outer.step()
+            for g in fragment:
+                g.grad = None
+            for model in models:
+                params = list(model.parameters())
+                merge_([params[t] for t in plan.tensors[apply]], fragment, alpha)
+        if step % H == 0:
+            after.append(([g.detach().clone() for g in global_params],
+                          [[p.detach().clone() for p in model.parameters()] for model in models]))
+    return after
+
+
+@pytest.mark.parametrize("fragments,overlap", [(2, 1), (1, 2), (4, 0)])
+def test_streaming_peers_match_single_process_math(two_dhts, fragments, overlap):
+    """Two peers, each fragment averaged at its own step while training goes on: every phase's global parameters
+    and each peer's own parameters equal the one-process replay of Streaming DiLoCo, and the global parameters
+    are the same bits on both peers."""
+    local_steps, outer_steps = 8, 3
+    models, opts, snapshots = train_peers(
+        two_dhts, compression="none", local_steps=local_steps, outer_steps=outer_steps,
+        run_id=f"stream-{fragments}-{overlap}", fragments=fragments, overlap_steps=overlap, merge_alpha=0.5,
+    )
+    try:
+        plan = opts[0].plan
+        assert plan.fragments == fragments and plan.overlap_steps == overlap
+        for opt in opts:
+            assert opt.outer_step == outer_steps and opt.local_step == local_steps * outer_steps
+            assert len(opt.history) == outer_steps
+            for record in opt.history:
+                assert record.averaged and record.group_size == 2, record
+                assert [r["fragment"] for r in record.fragments] == list(range(fragments)), record.fragments
+                assert all(r["averaged"] and r["group_size"] == 2 for r in record.fragments), record.fragments
+                assert all(r["applied_at_step"] - r["launched_at_step"] == overlap for r in record.fragments)
+        assert opts[0].history[-1].digest == opts[1].history[-1].digest
+        for a, b in zip(opts[0].global_params, opts[1].global_params):
+            assert torch.equal(a, b)
+        want = streaming_reference(2, plan, outer_steps=outer_steps, codec=get_compression("none"),
+                                   part_size_bytes=opts[0].averager.part_size_bytes)
+        for k, (want_global, want_local) in enumerate(want):
+            for i in range(2):
+                for got, expected in zip(snapshots[i][k], want_local[i]):
+                    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+        for got, expected in zip(opts[0].global_params, want[-1][0]):
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    finally:
+        for opt in opts:
+            opt.close()
+
+
+def test_streaming_fp16_fragments_stay_bit_identical_and_send_a_fraction_each(two_dhts):
+    """With fp16 on the wire, every fragment's global values are the same bits on both peers after each phase, and
+    each fragment's round moves about its share of the bytes (peak bandwidth down by about the fragment count)."""
+    fragments = 2
+    models, opts, snapshots = train_peers(two_dhts, compression="fp16", local_steps=6, outer_steps=3,
+                                          run_id="stream-fp16", fragments=fragments, overlap_steps=2)
+    try:
+        for a, b in zip(opts[0].global_params, opts[1].global_params):
+            assert torch.equal(a, b)
+        assert [r.digest for r in opts[0].history] == [r.digest for r in opts[1].history]
+        total = sum(g.numel() for g in opts[0].global_params)
+        for record in opts[0].history:
+            sizes = [sum(opts[0].global_params[t].numel() for t in opts[0].plan.tensors[f]) for f in range(fragments)]
+            for r, size in zip(record.fragments, sizes):
+                # a peer of two sends its parts of the other's range and the averages of its own: 2 B a value of
+                # the fragment, plus a few bytes of framing per part (this tiny model's parts are small)
+                assert size * 2 <= r["bytes_sent"] <= size * 2 * 1.25, (r, size)
+            assert total * 2 <= sum(r["bytes_sent"] for r in record.fragments) <= total * 2 * 1.25
+    finally:
+        for opt in opts:
+            opt.close()
