@@ -143,6 +143,10 @@ class DiLoCoConfig:
     """streaming sync with overlap_steps > 0: when a fragment's average is applied, the share of the model's own
     values of it (trained on during the overlap) kept: local = alpha x local + (1 - alpha) x global (the Streaming
     DiLoCo paper's mixing factor, 0.5; 0 drops the overlap's local progress), at most 1"""
+    adaptive_steps: bool = True
+    """a worker persistently slower than the fastest live peer (an inner step 1.75x as long or more) takes fewer inner
+    steps per phase (its local step advances by a stride), so it reaches each sync with the others instead of
+    holding them up or being left out; its pseudo-gradient is weighted by the samples it trained on"""
     matchmaking_time_s: float = setting(5.0, above=0)
     """seconds a round looks for peers beyond those the live peers' progress records announce (a round whose
     announced peers are all in starts at once); raise it on slow links or if groups split"""
@@ -203,6 +207,9 @@ class TrainConfig:
     precision: str = setting("auto", choices=PRECISIONS)
     """autocast: bf16, fp16 (with a gradient scaler), fp32, or auto (bf16 on CUDA, fp32 on CPU); parameters, the
     optimizers and the sync stay fp32"""
+    throttle: float = setting(1.0, at_least=1)
+    """make this worker this many times slower: after each inner step it sleeps (throttle - 1) x that step's compute
+    time, counted as compute (a test and benchmark hook for peers of different speeds); 1: full speed"""
     compile: bool = False
     """compile the model with torch.compile (faster steps after a slower first one)"""
     seed: int = 0

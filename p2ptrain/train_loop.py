@@ -175,6 +175,9 @@ class TrainLoop:
                     step_s -= opt.blocked_s - blocked_before  # the sync work this step held up training for
                 elif opt.outer_step != synced_before and opt.history:
                     step_s -= opt.history[-1].seconds  # the sync this step ended with is not compute
+                if cfg.throttle > 1.0 and step_s > 0:  # a slower peer, for tests and benchmarks (--throttle)
+                    time.sleep((cfg.throttle - 1.0) * step_s)
+                    step_s *= cfg.throttle
                 report.compute_s += max(step_s, 0.0)
                 if report.first_loss is None:
                     report.first_loss = loss_value

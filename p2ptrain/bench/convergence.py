@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
@@ -26,7 +26,9 @@ from p2ptrain.averaging.compression import ERROR_FEEDBACK_BY_DEFAULT, get_compre
 from p2ptrain.config import DiLoCoConfig
 from p2ptrain.data import ShardedBatches, eval_batches, evaluate, load_corpus, split_train_val
 from p2ptrain.model import build_model
-from p2ptrain.outer import add_error_feedback_, group_average, make_outer_optimizer, outer_step_, pseudo_gradient_
+from p2ptrain.fragments import FragmentPlan
+from p2ptrain.outer import (add_error_feedback_, group_average, make_outer_optimizer, merge_, outer_step_,
+                            pseudo_gradient_)
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,11 @@ def run_data_parallel(setup: Setup, cfg: DiLoCoConfig = DiLoCoConfig()) -> float
 
 
 def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
-               cfg: DiLoCoConfig = DiLoCoConfig()) -> float:
-    """Every replica in this process; the round is p2ptrain.outer's, the one the swarm's optimizer runs."""
+               cfg: DiLoCoConfig = DiLoCoConfig(), fragments: int = 1, overlap_steps: int = 0) -> float:
+    """Every replica in this process; the round is p2ptrain.outer's, the one the swarm's optimizer runs. With
+    ``fragments`` > 1 or ``overlap_steps`` > 0, Streaming DiLoCo as the swarm runs it (p2ptrain/fragments.py): each
+    fragment's pseudo-gradients taken at its launch step, averaged and applied at its apply step, and merged into
+    every replica with ``cfg.merge_alpha``; 1 and 0: plain DiLoCo."""
     shards, held_out = _data(setup)
     codec = get_compression(compression)
     feedback = compression in ERROR_FEEDBACK_BY_DEFAULT
@@ -88,32 +93,42 @@ def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
     global_params = [p.detach().clone().requires_grad_(True) for p in models[0].parameters()]
     outer = make_outer_optimizer(global_params, lr=cfg.outer_lr, momentum=cfg.outer_momentum)
     residuals = [[torch.zeros_like(g) for g in global_params] for _ in models] if feedback else None
+    plan = FragmentPlan.build([g.numel() for g in global_params], local_steps, fragments, overlap_steps,
+                              cfg.merge_alpha)
+    alpha = plan.merge_alpha if plan.overlap_steps > 0 else 0.0
+    pending: Dict[int, list] = {}  # fragment -> the replicas' pseudo-gradients of it, taken at its launch step
     for step in range(1, setup.steps + 1):
         for model, inner, shard in zip(models, inners, shards):
             x, y = next(shard)
             model(x, y)[1].backward()
             inner.step()
             inner.zero_grad()
-        if step % local_steps:
-            continue
-        contributions = []
-        for i, model in enumerate(models):
-            sent = [torch.empty_like(g) for g in global_params]
-            pseudo_gradient_(sent, global_params, list(model.parameters()))
-            if residuals is not None:
-                add_error_feedback_(sent, residuals[i], codec, DEFAULT_PART_SIZE_BYTES)
-            contributions.append(sent)
-        # every replica trained on the same number of samples since the last round: equal weights
-        average = group_average(contributions, [1.0] * len(models), codec, DEFAULT_PART_SIZE_BYTES)
-        outer_step_(outer, global_params, average)
-        with torch.no_grad():
+        launch = plan.due(step, plan.launch_at)
+        if launch is not None:
+            indices = plan.tensors[launch]
+            pending[launch] = []
+            for i, model in enumerate(models):
+                params = list(model.parameters())
+                sent = [torch.empty_like(global_params[t]) for t in indices]
+                pseudo_gradient_(sent, [global_params[t] for t in indices], [params[t] for t in indices])
+                if residuals is not None:
+                    add_error_feedback_(sent, [residuals[i][t] for t in indices], codec, DEFAULT_PART_SIZE_BYTES)
+                pending[launch].append(sent)
+        apply = plan.due(step, plan.apply_at)
+        if apply is not None:
+            indices = plan.tensors[apply]
+            # every replica trained on the same number of samples since the last round: equal weights
+            average = group_average(pending.pop(apply), [1.0] * len(models), codec, DEFAULT_PART_SIZE_BYTES)
+            fragment = [global_params[t] for t in indices]
+            outer_step_(outer, fragment, average)  # SGD steps only the tensors given a gradient
             for model in models:
-                for p, g in zip(model.parameters(), global_params):
-                    p.copy_(g)
+                params = list(model.parameters())
+                merge_([params[t] for t in indices], fragment, alpha)
     return evaluate(models[0], held_out)
 
 
-def run_swarm(setup: Setup, local_steps: int, compression: str, out: Path) -> float:
+def run_swarm(setup: Setup, local_steps: int, compression: str, out: Path, fragments: int = 1,
+              overlap_steps: int = 0) -> float:
     """The same DiLoCo run by real `p2ptrain join` daemons on loopback (one per shard): peer 1's final eval loss."""
     from p2ptrain.bench.swarm import BenchConfig, run_config
 
@@ -121,15 +136,18 @@ def run_swarm(setup: Setup, local_steps: int, compression: str, out: Path) -> fl
         raise ValueError(f"{setup.steps} steps are not a whole number of rounds of H={local_steps}")
     cfg = BenchConfig(model=setup.model, peers=setup.peers, rate_mbit=None, local_steps=local_steps,
                       outer_steps=setup.steps // local_steps, compression=compression, batch_size=setup.batch_size,
-                      eval_batches=setup.eval_batches)
+                      eval_batches=setup.eval_batches, fragments=fragments, overlap_steps=overlap_steps)
     result = run_config(cfg, out / f"convergence-swarm-{setup.steps}-{cfg.name}", None, progress=lambda _: None)
     return result["peers"][0]["final_eval_loss"]
 
 
 def experiment(lengths: List[int], local_steps: List[int], compressions: List[str], setup: Setup = Setup(),
-               echo: Callable[[str], None] = print, swarm_out: Optional[Path] = None) -> Dict:
+               echo: Callable[[str], None] = print, swarm_out: Optional[Path] = None,
+               streaming: Sequence[tuple] = ()) -> Dict:
     """Final eval losses of alone, data-parallel and DiLoCo (each H and codec), at each run length; with
-    ``swarm_out``, also the real swarm for the largest H and the first codec (its logs go there)."""
+    ``swarm_out``, also the real swarm for the largest H and the first codec (its logs go there). ``streaming``:
+    (fragments, overlap steps or None for the most allowed) schedules, each a Streaming DiLoCo row for every H and
+    codec, and (with ``swarm_out``) a real swarm row with it."""
     results: Dict = {"setup": setup.__dict__, "runs": []}
     for steps in lengths:
         s = Setup(**{**setup.__dict__, "steps": steps})
@@ -137,10 +155,18 @@ def experiment(lengths: List[int], local_steps: List[int], compressions: List[st
                 ("data_parallel", None, None, lambda: run_data_parallel(s))]
         runs += [(f"diloco H={h} {c}", h, c, (lambda h=h, c=c: run_diloco(s, h, c)))
                  for h in local_steps for c in compressions]
+        schedules = [(f, h // f - 1 if tau is None else tau, h) for f, tau in streaming for h in local_steps
+                     if (f, tau) != (1, 0)]
+        runs += [(f"streaming H={h} {c} F={f} tau={tau}", h, c,
+                  (lambda h=h, c=c, f=f, tau=tau: run_diloco(s, h, c, fragments=f, overlap_steps=tau)))
+                 for f, tau, h in schedules for c in compressions]
         if swarm_out is not None:
             h, c = max(local_steps), compressions[0]
             runs.append((f"swarm H={h} {c} ({s.peers} join daemons)", h, c, lambda h=h, c=c: run_swarm(s, h, c,
                                                                                                        swarm_out)))
+            for f, tau, _ in [x for x in schedules if x[2] == h]:
+                runs.append((f"swarm H={h} {c} F={f} tau={tau} ({s.peers} join daemons)", h, c,
+                             lambda h=h, c=c, f=f, tau=tau: run_swarm(s, h, c, swarm_out, f, tau)))
         for name, h, c, fn in runs:
             started = time.perf_counter()
             loss = fn()
@@ -176,12 +202,12 @@ def convergence_table(results: Dict) -> List[str]:
 
 
 def write_convergence(lengths: List[int], local_steps: List[int], compressions: List[str], setup: Setup, out: Path,
-                      echo: Callable[[str], None] = print) -> Path:
+                      echo: Callable[[str], None] = print, streaming: Sequence[tuple] = ()) -> Path:
     """Run the experiment (the swarm included) and write ``out/convergence.md`` and ``out/convergence.json``."""
     import json
 
     out.mkdir(parents=True, exist_ok=True)
-    results = experiment(lengths, local_steps, compressions, setup, echo=echo, swarm_out=out)
+    results = experiment(lengths, local_steps, compressions, setup, echo=echo, swarm_out=out, streaming=streaming)
     (out / "convergence.json").write_text(json.dumps(results, indent=1))
     lines = ["# Convergence: alone, data-parallel and DiLoCo at the same inner steps per peer", "",
              f"Model {setup.model}, {setup.peers} peers (data-parallel: {setup.peers} x batch {setup.batch_size}), "

@@ -40,6 +40,9 @@ class BenchConfig:
     grouping: str = "pinned"
     """"pinned": every round is a round of all the peers (--target-group-size and --min-group-size = peers, "wait"
     policy, one data shard each); "defaults": none of those flags, the workers group as a user's would"""
+    fragments: int = 1
+    """streaming sync: fragments (1 and overlap_steps 0: the blocking sync)"""
+    overlap_steps: int = 0
     eval_batches: int = 2
     """held-out batches per eval (after every round): evals are wall time but not inner steps, so they lower the
     compute utilization; the worker's default of 8 would cost a 25M-model peer ~10% of a 1-minute phase here"""
@@ -49,7 +52,9 @@ class BenchConfig:
         rate = f"{self.rate_mbit:g}Mbit" if self.rate_mbit else "loopback"
         nat = f"-{self.behind_nat}nat" if self.behind_nat else ""
         grouping = "-defaults" if self.grouping == "defaults" else ""
-        return f"{self.model}-{self.peers}peers{nat}-{rate}-H{self.local_steps}-{self.compression}{grouping}"
+        streaming = f"-F{self.fragments}tau{self.overlap_steps}" if self.fragments > 1 or self.overlap_steps else ""
+        return (f"{self.model}-{self.peers}peers{nat}-{rate}-H{self.local_steps}-{self.compression}{streaming}"
+                f"{grouping}")
 
     @property
     def nat_hosts(self) -> frozenset:
@@ -92,6 +97,7 @@ def run_config(cfg: BenchConfig, out: Path, topology: Optional[Topology], progre
                 # the run's outer step to end at: every worker ends on the same one, also one that took the state
                 # after a failed round (its syncs would count one fewer, and under "wait" it would wait for good)
                 "--until-outer-step", str(cfg.outer_steps), "--compression", cfg.compression,
+                "--fragments", str(cfg.fragments), "--overlap-steps", str(cfg.overlap_steps),
                 *_grouping_flags(cfg, i),
                 "--averaging-timeout", "600", "--threads", "1", "--no-progress", "--log-interval", "30",
                 "--eval-batches", str(cfg.eval_batches),
@@ -175,7 +181,10 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
         per_round = []
         for r in rounds:
             started = r["finished_at"] - r["seconds"]
-            waiting = min(max(arrivals[r["outer_step"]] - started, 0.0), r["seconds"] - r["allreduce_s"])
+            # a streaming phase's seconds are the ones its fragment rounds held training up, spread over the phase:
+            # there is no one arrival to wait for, and what it waited for is in those seconds
+            waiting = 0.0 if r.get("fragments") else \
+                min(max(arrivals[r["outer_step"]] - started, 0.0), r["seconds"] - r["allreduce_s"])
             entry = {"outer_step": r["outer_step"], "seconds": r["seconds"], "allreduce_s": r["allreduce_s"],
                      "waiting_s": waiting, "sync_s": r["seconds"] - waiting,
                      "matchmaking_s": max(r["seconds"] - waiting - r["allreduce_s"], 0.0),

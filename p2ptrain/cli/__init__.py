@@ -179,6 +179,18 @@ def health(health_file: str, max_age: float) -> None:
     click.echo("healthy")
 
 
+def _streaming_schedule(text: str) -> tuple:
+    """``bench --streaming``'s FRAGMENTS[:OVERLAP_STEPS] as (fragments, overlap_steps or None)."""
+    fragments, _, overlap = text.partition(":")
+    try:
+        schedule = int(fragments), (int(overlap) if overlap else None)
+    except ValueError:
+        schedule = (0, 0)
+    if schedule[0] < 1 or (schedule[1] is not None and schedule[1] < 0):
+        raise BadInput(f"--streaming {text!r} is not FRAGMENTS[:OVERLAP_STEPS]; e.g. --streaming 4 or --streaming 1:0")
+    return schedule
+
+
 @cli.command()
 @click.option("--model", "models", multiple=True, default=["small"], show_default=True,
               help="Built-in model size (repeatable).")
@@ -202,13 +214,16 @@ def health(health_file: str, max_age: float) -> None:
               default=["pinned"], show_default=True,
               help="pinned: every round holds all the peers (--target-group-size etc. set to the peers); defaults: "
                    "the workers get none of those flags, as a user's (repeatable, to compare).")
+@click.option("--streaming", "streaming", multiple=True, default=["1:0"], show_default=True,
+              help="The sync as FRAGMENTS[:OVERLAP_STEPS] (repeatable, to compare): 1:0 is the blocking sync; "
+                   "without :OVERLAP_STEPS, the most the schedule allows (H // FRAGMENTS - 1).")
 @click.option("--loopback", is_flag=True, help="No namespaces or rate limit, even as root.")
 @click.option("--clean", "clean_only", is_flag=True, help="Remove namespaces a killed benchmark left, then exit.")
 @click.option("--convergence", "convergence_steps", type=click.IntRange(min=1), multiple=True,
               help="Instead: the convergence experiment at this many inner steps (repeatable): alone, data-parallel "
                    "with --peers x the batch, DiLoCo per --local-steps and --compression, and the real swarm.")
 def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, batch_size, out, behind_nat, groupings,
-          loopback, clean_only, convergence_steps) -> None:
+          streaming, loopback, clean_only, convergence_steps) -> None:
     """Benchmark real swarms over rate-limited links (one network namespace per peer; root needed, else
     loopback): compute utilization, bytes on the wire, sync seconds against the bandwidth bound, eval loss."""
     from pathlib import Path
@@ -227,12 +242,13 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
     for name in compressions:
         if name not in COMPRESSIONS:
             raise BadInput(f"--compression {name!r} is unknown; use one of: {', '.join(COMPRESSIONS)}")
+    schedules = [_streaming_schedule(text) for text in streaming]
     if convergence_steps:
         from p2ptrain.bench.convergence import Setup, write_convergence
 
         setup = Setup(model=models[0], peers=peers, batch_size=batch_size)
         report = write_convergence(list(convergence_steps), list(local_steps) or [25, 50], list(compressions), setup,
-                                   Path(out), echo=click.echo)
+                                   Path(out), echo=click.echo, streaming=schedules)
         click.echo(f"report: {report}")
         return
     if not local_steps and not phases:
@@ -240,7 +256,8 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
     try:
         report = run_bench(models=models, peers=peers, rates_mbit=rates, local_steps=local_steps, phases_s=phases,
                            outer_steps=outer_steps, compressions=compressions, batch_size=batch_size, out=Path(out),
-                           loopback=loopback, behind_nat=behind_nat, groupings=groupings, echo=click.echo)
+                           loopback=loopback, behind_nat=behind_nat, groupings=groupings, streaming=schedules,
+                           echo=click.echo)
     except KeyboardInterrupt:
         click.echo(f"interrupted: the namespaces are removed; figures so far in {out}/report.md", err=True)
         sys.exit(130)

@@ -4,11 +4,13 @@ transfer is its mixin (``state.py``)."""
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
+import statistics
 import threading
 import time
-from typing import Any, Callable, Iterable, List, Optional
+from typing import Any, Callable, Deque, Iterable, List, Optional
 
 import torch
 from hivemind import DHT
@@ -25,6 +27,7 @@ from p2ptrain.diloco.state import StateSharingMixin, _SnapshotRequest
 from p2ptrain.diloco.streaming import StreamingMixin
 from p2ptrain.fragments import DEFAULT_MERGE_ALPHA, FragmentPlan
 from p2ptrain.finite import all_finite_many
+from p2ptrain.pace import Pace
 from p2ptrain.outer import add_error_feedback_, outer_step_, pseudo_gradient_
 from p2ptrain.schedules import Schedule, scale_lrs
 from p2ptrain.swarm.progress import ProgressPublisher, wait_until_stored
@@ -84,6 +87,10 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
       applied (tau); at most ``local_steps // fragments - 1``. ``fragments=1, overlap_steps=0``: the blocking sync
     :param merge_alpha: streaming sync with overlap: the share of the model's own values of a fragment kept when its
       average is applied (``local = alpha * local + (1 - alpha) * global``)
+    :param adaptive_steps: a peer persistently slower than the fastest live peer (its inner step takes 1.75x or
+      more) takes fewer inner steps per phase, advancing its local step by a stride per step (``p2ptrain/pace.py``),
+      so it reaches each sync with the others; its pseudo-gradient weighs the samples it trained on. Needs the
+      swarm watched (``catch_up_mid_phase``)
 
     Learning-rate schedules: the base LR of a param group is its ``lr`` when the schedule first sees it, kept as
     ``group["initial_lr"]`` (as torch's LR schedulers do, so it is in checkpoints too). A schedule's LR is a pure
@@ -123,6 +130,7 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
         fragments: int = 1,
         overlap_steps: int = 0,
         merge_alpha: float = DEFAULT_MERGE_ALPHA,
+        adaptive_steps: bool = True,
     ):
         _check_arguments(local_steps=local_steps, no_group_policy=no_group_policy,
                          matchmaking_time_s=matchmaking_time_s, averaging_timeout_s=averaging_timeout_s,
@@ -212,6 +220,9 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
         self.catch_up_mid_phase = catch_up_mid_phase
         self._no_donor_at_outer_step = -1  # a mid-phase catch-up found no donor at this outer step: wait for the sync
         self._init_streaming()
+        self.pace = Pace(local_steps, enabled=adaptive_steps)
+        self._step_intervals: Deque[float] = collections.deque(maxlen=32)  # seconds per inner step, recent ones
+        self._last_step_end: Optional[float] = None
         self.membership = Membership(dht, run_id, self.averager, progress, progress_period_s=progress_period_s,
                                      settings=self.run_settings(), watch_swarm=catch_up_mid_phase,
                                      averager_start_timeout_s=averager_start_timeout_s,
@@ -252,14 +263,24 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
         with self._state_lock:
             self._apply_lr_schedules()  # local_step may have jumped since the last step (a catch-up)
             loss = self.inner_optimizer.step(closure)
-            self.local_step += 1
             stepped = time.perf_counter()
+            if self._last_step_end is not None:  # this inner step's time: forward, backward, data, the update
+                self._step_intervals.append(stepped - self._last_step_end)
+            advance = self.pace.advance(self.local_step)
+            self.local_step += 1
             if self.plan.streaming:  # a fragment's round starts here, under the lock: a donor sees it all or none
-                self._launch_due(samples)
-        self._serve_snapshot_request()  # a donor snapshot asked for since the last step: copy it now, on this core
+                self._launch_due(samples, real=True)
         self.samples_since_sync += samples
         self._steps_since_sync += 1
         self.throughput.samples += samples
+        for _ in range(advance - 1):  # a slow peer's stride: its local step keeps up with the swarm's (pace.py)
+            if self.plan.streaming:
+                self._streaming_after_step()
+            with self._state_lock:
+                self.local_step += 1
+                if self.plan.streaming:
+                    self._launch_due(0, real=False)
+        self._serve_snapshot_request()  # a donor snapshot asked for since the last step: copy it now, on this core
         if self.plan.streaming:
             self._streaming_after_step()
             if self._in_flight is None:
@@ -273,7 +294,8 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
             self._catch_up_mid_phase()
         else:
             self._publish_progress()
-        self.blocked_s += time.perf_counter() - stepped
+        self._last_step_end = time.perf_counter()
+        self.blocked_s += self._last_step_end - stepped
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -455,6 +477,12 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
     def _finish_record(self, record: SyncRecord) -> SyncRecord:
         """The rest of closing a sync: its record in ``history`` and the log, the next phase's counters, a fresh
         progress record."""
+        record.inner_steps, record.stride = self._steps_since_sync, self.pace.stride
+        step_s = statistics.median(self._step_intervals) if len(self._step_intervals) >= 4 else None
+        stride = self.pace.update(step_s, self.progress.swarm_step_rate)
+        if stride != record.stride:
+            logger.info(f"{self._tag()} an inner step here takes {self.pace.ratio or 0:.2f}x the fastest live peer's: "
+                        f"{-(-self.local_steps // stride)} inner steps per phase from now on (stride {stride})")
         record.log(logger, self._tag())
         self.history.append(record)
         self._phase_started = time.monotonic()

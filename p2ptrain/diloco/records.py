@@ -91,6 +91,10 @@ class SyncRecord:
     decode, checks and write (``allreduce.*``, spread over threads that overlap the wire). A streaming sync's
     phase has: blocked (= ``seconds``), rounds (the fragments' rounds' wall time, mostly overlapped with training)
     and waited (for rounds still running at their apply step)"""
+    inner_steps: int = 0
+    """inner steps this peer took in the phase (fewer than local_steps with a stride, ``stride``)"""
+    stride: int = 1
+    """the local steps one inner step counted for in the phase: above 1 for a slow peer (p2ptrain/pace.py)"""
     fragments: List[dict] = field(default_factory=list)
     """streaming sync: each fragment's round in this phase (``StreamingMixin._finish``): fragment, averaged,
     group_size, attempts, launched_at_step, applied_at_step, round_s, waited_s, blocked_s, allreduce_s, bytes_sent,

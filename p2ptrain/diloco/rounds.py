@@ -28,14 +28,16 @@ or still starting up: it catches up from the swarm's state when it gets to its s
 
 
 def outlook_of(records: Iterable[PeerProgress], outer_step: int, local_step: int,
-               last_group: Collection[str] = ()) -> RoundOutlook:
+               last_group: Collection[str] = (), applied_by: Optional[int] = None) -> RoundOutlook:
     """Sort the other live peers' records for the round at ``outer_step``: ready (at this sync point), late (still in
     their inner steps) or ahead. A member of our last round whose record still shows the step before counts as late:
     it stores its commit a moment after ours, and a peer that reads the records at once must not think it gone and
-    step alone (seen with a fast peer next to a slow one)."""
+    step alone (seen with a fast peer next to a slow one). ``applied_by`` (a fragment's round, streaming sync): a peer
+    of this outer step past this local step has applied the fragment already, so it is ahead too."""
     ready, late, ahead = [], {}, False
     for record in records:
         ahead |= record.outer_step > outer_step
+        ahead |= applied_by is not None and record.outer_step == outer_step and record.local_step > applied_by
         if record.outer_step == outer_step - 1 and record.peer_id in last_group:
             late[record.peer_id] = record.local_step
         elif record.outer_step != outer_step:
@@ -78,6 +80,9 @@ class Position:
     fragment: int = 0
     """the fragment this round averages (streaming sync, ``fragments.FragmentPlan``; 0 of 1: all parameters)"""
     fragments: int = 1
+    applied_by: Optional[int] = None
+    """streaming sync: the local step at which this round's fragment is applied; a peer of this outer step past it
+    applied it without us (we are behind)"""
 
     @property
     def group_bits(self) -> str:
@@ -249,7 +254,8 @@ class Rounds:
         records = [r for r in fetch_progress(self.dht, self.run_id, timeout_s=5.0) if r.peer_id != me]
         if records:
             self.progress.others_seen_at = time.monotonic()
-        return outlook_of(records, position.outer_step, position.local_step, position.last_group)
+        return outlook_of(records, position.outer_step, position.local_step, position.last_group,
+                          position.applied_by)
 
     def swarm_outer_step(self) -> int:
         """The highest outer step among the run's other live peers (from their progress records), or -1."""

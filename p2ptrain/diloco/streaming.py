@@ -79,12 +79,13 @@ class StreamingMixin:
         if fragment is not None:
             self._finish(fragment)
 
-    def _launch_due(self, samples: int) -> None:
-        """Count this step's samples, then start the round of the fragment due at this step, if one is. Called by
-        ``step()`` under the state lock, so a donor's snapshot sees the launch done or not started."""
+    def _launch_due(self, samples: int, real: bool = True) -> None:
+        """Count this step's samples (``real``: an inner step was taken, not a stride's skip, see pace.py), then start
+        the round of the fragment due at this local step, if one is. Called by ``step()`` under the state lock, so a
+        donor's snapshot sees the launch done or not started."""
         for f in range(self.plan.fragments):
             self._fragment_samples[f] += samples
-            self._fragment_steps[f] += 1
+            self._fragment_steps[f] += int(real)
         fragment = self.plan.due(self.local_step, self.plan.launch_at)
         if fragment is not None:
             self._launch(fragment)
@@ -113,6 +114,7 @@ class StreamingMixin:
         position = Position(
             outer_step=self.outer_step, local_step=self.local_step, phase_started=self._phase_started,
             last_group=self._last_group, fragment=fragment, fragments=self.plan.fragments,
+            applied_by=self.local_step - self.plan.launch_at(fragment) + self.plan.apply_at(fragment),
             gather={"outer_step": self.outer_step, "samples": self._fragment_samples[fragment],
                     "digest": _digest_of(self.global_params[i] for i in indices), "fragment": fragment,
                     "norm_scale": self.local_steps / steps},

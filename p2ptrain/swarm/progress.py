@@ -10,12 +10,13 @@ numbers is logged and skipped, never raised.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import threading
 import time
 from collections import Counter
-from typing import List, Optional
+from typing import Deque, Dict, List, Optional
 
 from google.protobuf.message import DecodeError
 from hivemind import DHT
@@ -164,6 +165,11 @@ class ProgressPublisher:
         """the data shard this peer claimed, published with every record (see swarm/shards.py)"""
         self.reachability = ""
         """how this peer chose public or client mode (swarm/reachability.py), published for status"""
+        self.swarm_step_rate: Optional[float] = None
+        """the fastest other live peer's inner steps per second (its local step's progress over the last
+        ``PACE_WINDOW_S`` of its records; None: not watching, or no record spans ``PACE_MIN_SPAN_S`` yet). A slower
+        peer sets its pace from it (``DiLoCoOptimizer``'s adaptive steps)"""
+        self._paces: Dict[str, Deque[tuple]] = {}  # peer -> its (local step, record timestamp), oldest first
         self.settings: dict = {}
         """SETTINGS and WORKER_FIELDS -> this peer's value, published with every record (the Worker sets the
         model's description and its own settings, DiLoCoOptimizer adds the rest)"""
@@ -190,8 +196,30 @@ class ProgressPublisher:
                 me = self.dht.peer_id.to_base58()
                 others = [r for r in fetch_progress(self.dht, self.run_id, timeout_s=self.period_s) if r.peer_id != me]
                 self.swarm_outer_step = max((r.outer_step for r in others), default=-1)
+                self.swarm_step_rate = self._note_paces(others)
                 if others:
                     self.others_seen_at = time.monotonic()
+
+    def _note_paces(self, records: List[PeerProgress]) -> Optional[float]:
+        """Add the records' local steps to each peer's recent history; return the fastest peer's steps per second.
+        Rates come from each peer's own record timestamps (one clock per peer), so clock skew between peers does
+        not matter; a step backwards (the peer restarted) starts its history over."""
+        live = {r.peer_id for r in records}
+        for peer in [p for p in self._paces if p not in live]:
+            del self._paces[peer]
+        rates = []
+        for record in records:
+            history = self._paces.setdefault(record.peer_id, collections.deque())
+            if history and (record.local_step < history[-1][0] or record.timestamp < history[-1][1]):
+                history.clear()
+            if not history or record.timestamp != history[-1][1]:
+                history.append((record.local_step, record.timestamp))
+            while history and record.timestamp - history[0][1] > PACE_WINDOW_S:
+                history.popleft()
+            span = history[-1][1] - history[0][1] if history else 0.0
+            if span >= PACE_MIN_SPAN_S:
+                rates.append((history[-1][0] - history[0][0]) / span)
+        return max(rates, default=None)
 
     def publish(self, *, outer_step: int, local_step: int, samples_per_s: float, samples_since_sync: int,
                 wait_s: float = 0.0):
@@ -248,6 +276,12 @@ class ProgressPublisher:
             subkey=self.dht.peer_id.to_bytes(),
             return_future=True,
         )
+
+
+PACE_WINDOW_S = 60.0
+"""how far back a peer's records count for its pace"""
+PACE_MIN_SPAN_S = 10.0
+"""a pace needs records of a peer at least this far apart"""
 
 
 def fetch_progress(dht: DHT, run_id: str, timeout_s: float = 10.0) -> List[PeerProgress]:

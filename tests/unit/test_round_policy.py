@@ -24,7 +24,7 @@ class FakeAverager:
     def is_alive(self) -> bool:
         return True
 
-    def set_round_plan(self, target, window_s, expected=(), max_group_size=None) -> None:
+    def set_round_plan(self, target, window_s, expected=(), max_group_size=None, fragment=0) -> None:
         self.plans.append((target, window_s, sorted(expected)))
 
 
@@ -183,3 +183,15 @@ def test_a_member_of_our_last_round_not_yet_showing_its_commit_is_late_not_gone(
     assert outlook == RoundOutlook(ahead=False, ready=[], late={"B": 80})
     host = Host([outlook, look(ready=["B"])], ["fail", "ok"])
     assert host.run(8.0, host.position).kind is Outcome.AVERAGED
+
+
+def test_a_fragment_round_is_behind_once_a_peer_of_its_outer_step_is_past_the_fragments_apply_step():
+    """Streaming sync: fragment rounds do not move the outer step, so a peer that applied the fragment without us
+    shows only in its local step. Waiting at the apply step (equal) is not past it."""
+    records = [record("B", 5, 110), record("C", 5, 109)]
+    outlook = outlook_of(records, outer_step=5, local_step=108, applied_by=110)
+    assert not outlook.ahead and outlook.ready == ["B", "C"]
+    assert outlook_of(records + [record("D", 5, 111)], outer_step=5, local_step=108, applied_by=110).ahead
+    assert not outlook_of(records + [record("D", 5, 111)], outer_step=5, local_step=108).ahead  # blocking sync
+    assert Position(outer_step=5, local_step=0, phase_started=0.0, fragment=2, fragments=4).group_bits == "0000010110"
+    assert Position(outer_step=5, local_step=0, phase_started=0.0).group_bits == "00000101"

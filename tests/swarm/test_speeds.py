@@ -1,0 +1,55 @@
+"""Peers of different speeds, for real: one worker made 2x or 4x slower (--throttle: it sleeps that share of each
+step), next to one at full speed, through the CLI on loopback. The slow one takes fewer inner steps per phase
+(adaptive steps, p2ptrain/pace.py) and averages every round with the fast one, whose wait for it shrinks; its
+pseudo-gradient weighs the samples it trained on. The streaming sync carries the same guarantees for a newcomer."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from tests.helpers import exit_code, report, start_bootstrap, start_worker, stop_all, wait_until
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
+
+LOCAL_STEPS = 40
+BATCH = 8
+
+
+def run_pair(tmp_path, run_id: str, throttle: float, outer_steps: int, *extra: str) -> tuple:
+    boot, maddr = start_bootstrap(tmp_path)
+    procs = [boot]
+    flags = ("--model", "tiny", "--local-steps", str(LOCAL_STEPS), "--batch-size", str(BATCH), "--eval-batches", "1",
+             "--until-outer-step", str(outer_steps), *extra)
+    try:
+        procs.append(start_worker(tmp_path, 0, maddr, run_id, *flags))
+        procs.append(start_worker(tmp_path, 1, maddr, run_id, *flags, "--throttle", str(throttle)))
+        for i, proc in enumerate(procs[1:]):
+            assert exit_code(proc, 500, tmp_path / f"w{i}.log") == 0, (tmp_path / f"w{i}.log").read_text()[-3000:]
+    finally:
+        stop_all(procs)
+    return report(tmp_path, 0), report(tmp_path, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("throttle", [2.0, 4.0])
+def test_a_slower_worker_takes_fewer_steps_and_holds_nobody_up(tmp_path, throttle):
+    fast, slow = run_pair(tmp_path, f"speeds-{throttle:g}", throttle, outer_steps=12)
+    logs = "\n".join((tmp_path / f"w{i}.log").read_text()[-3000:] for i in range(2))
+    own = [r for r in slow["rounds"] if not r["caught_up"]]
+    strided = [r for r in own if r["stride"] > 1]
+    assert strided, ([(r["outer_step"], r["stride"], r["inner_steps"]) for r in own], logs)
+    # once it strides, it keeps up: every one of its later rounds averages with the fast worker
+    later = own[own.index(strided[0]):]
+    print(f"throttle {throttle:g}: slow worker's (outer step, stride, inner steps, group): "
+          f"{[(r['outer_step'], r['stride'], r['inner_steps'], r['group_size']) for r in own]}")
+    assert all(r["averaged"] and r["group_size"] == 2 for r in later), (later, logs)
+    for r in later:
+        assert r["stride"] >= 0.75 * throttle - 0.5 and r["inner_steps"] <= LOCAL_STEPS // 1.5
+        assert r["samples"] == r["inner_steps"] * BATCH  # its weight: the samples it actually trained on
+    # the fast worker's wait for it: from the time a phase of the slow one takes to about the noise of one
+    before = [r["seconds"] for r in fast["rounds"][1:] if r["outer_step"] <= strided[0]["outer_step"] - 1]
+    after = [r["seconds"] for r in fast["rounds"] if r["outer_step"] > strided[0]["outer_step"]]
+    print(f"fast worker's sync seconds before the stride {before}, after {after}")
+    assert after and statistics.median(after) < 0.5 * max(before or [float('inf')])
