@@ -7,9 +7,12 @@ schedule stays the swarm's, and its pseudo-gradient holds H / s inner steps, wei
 actually trained on (the weight every member sends). Dynamic Local Updates (Forgather's DiLoCo server, after Liu et
 al.) gives each worker a number of local steps proportional to its speed in the same way.
 
-The stride is the ratio of this peer's time per inner step to the fastest other peer's (its records' local steps
-over time), rounded, once that ratio reached ``SLOW_RATIO`` at two phase ends in a row; it drops back as soon as the
-ratio does. Plain values: no torch, no network.
+The stride is the ratio of this peer's time per inner step to the fastest other live peer's (every peer publishes the
+median of its recent inner steps' seconds in its progress record), rounded, once that ratio reached ``SLOW_RATIO``
+at two phase ends in a row; it moves again (either way) only when two looks in a row want it more than half a step
+away. A step time, not a peer's progress through the
+phases: a fast peer that waits for a slow one at every sync moves through the phases as slowly as that one. Plain
+values: no torch, no network.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from typing import Optional
 
 SLOW_RATIO = 1.75
 """a peer whose inner step takes this many times the fastest peer's (or more) is slow: it steps with a stride"""
-PHASES_TO_SLOW_DOWN = 2
-"""phase ends in a row at which a peer must look slow before it takes a larger stride (noise is not a trend)"""
+LOOKS_TO_CHANGE = 2
+"""phase ends in a row that must want the stride moved (the same way) before it moves: noise is not a trend"""
 
 
 def stride_for(ratio: Optional[float], local_steps: int) -> int:
@@ -31,26 +34,35 @@ def stride_for(ratio: Optional[float], local_steps: int) -> int:
 
 
 class Pace:
-    """A peer's stride, from one look per phase end at its own step time and the swarm's pace."""
+    """A peer's stride, from one look per phase end at its own step time and the fastest peer's."""
 
     def __init__(self, local_steps: int, enabled: bool = True):
         self.local_steps, self.enabled = local_steps, enabled
         self.stride = 1
         self.ratio: Optional[float] = None
-        self._slow_looks = 0
+        self._looks, self._direction = 0, 0  # looks in a row that wanted the stride moved, and which way
 
-    def update(self, step_s: Optional[float], swarm_steps_per_s: Optional[float]) -> int:
-        """Take one look (at a phase end) and return the stride for the next phase."""
+    def update(self, step_s: Optional[float], fastest_step_s: Optional[float]) -> int:
+        """Take one look (at a phase end) at this peer's step time and the fastest other peer's; return the stride
+        for the next phase. The stride moves only when ``LOOKS_TO_CHANGE`` looks in a row want it moved the same
+        way, and not while the ratio stays within half a step of it (CPU noise on a shared host made a 2x slower peer
+        measure 1.6x to 2.8x from one phase to the next)."""
         if not self.enabled:
             return self.stride
-        self.ratio = step_s * swarm_steps_per_s if step_s and swarm_steps_per_s else None
+        self.ratio = step_s / fastest_step_s if step_s and fastest_step_s else None
+        if self.ratio is None:  # nothing to compare with (a read of the records failed): no news, no change
+            self._looks, self._direction = 0, 0
+            return self.stride
         want = stride_for(self.ratio, self.local_steps)
-        if want > self.stride:
-            self._slow_looks += 1
-            if self._slow_looks >= PHASES_TO_SLOW_DOWN:
-                self.stride, self._slow_looks = want, 0
-        else:
-            self.stride, self._slow_looks = want, 0
+        near = self.ratio is not None and self.stride > 1 and abs(self.ratio - self.stride) < 0.5
+        if want == self.stride or near:
+            self._looks, self._direction = 0, 0
+            return self.stride
+        direction = 1 if want > self.stride else -1
+        self._looks = self._looks + 1 if direction == self._direction else 1
+        self._direction = direction
+        if self._looks >= LOOKS_TO_CHANGE:
+            self.stride, self._looks, self._direction = want, 0, 0
         return self.stride
 
     def advance(self, local_step: int) -> int:

@@ -478,8 +478,8 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
         """The rest of closing a sync: its record in ``history`` and the log, the next phase's counters, a fresh
         progress record."""
         record.inner_steps, record.stride = self._steps_since_sync, self.pace.stride
-        step_s = statistics.median(self._step_intervals) if len(self._step_intervals) >= 4 else None
-        stride = self.pace.update(step_s, self.progress.swarm_step_rate)
+        record.step_s, record.fastest_step_s = self._step_s(), self.progress.fastest_step_s
+        stride = self.pace.update(record.step_s, record.fastest_step_s)
         if stride != record.stride:
             logger.info(f"{self._tag()} an inner step here takes {self.pace.ratio or 0:.2f}x the fastest live peer's: "
                         f"{-(-self.local_steps // stride)} inner steps per phase from now on (stride {stride})")
@@ -495,6 +495,10 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
         self._publish_progress(force=True, wait=False)
         record.phases["record"] = time.perf_counter() - started_publish
         return record
+
+    def _step_s(self) -> Optional[float]:
+        """The median of this peer's recent inner steps' seconds (None until there are a few)."""
+        return statistics.median(self._step_intervals) if len(self._step_intervals) >= 4 else None
 
     def _position(self) -> Position:
         """Where this peer stands for the round it is about to average, and what it tells the group about it."""
@@ -551,6 +555,7 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
                 samples_per_s=self.samples_per_s,
                 samples_since_sync=self.samples_since_sync,
                 wait_s=FORCED_STORE_WAIT_S if force and wait else 0.0,
+                step_s=self._step_s() or 0.0,
             )
         return None
 

@@ -95,6 +95,10 @@ class SyncRecord:
     """inner steps this peer took in the phase (fewer than local_steps with a stride, ``stride``)"""
     stride: int = 1
     """the local steps one inner step counted for in the phase: above 1 for a slow peer (p2ptrain/pace.py)"""
+    step_s: Optional[float] = None
+    """the median seconds of this peer's recent inner steps at the sync's end (what it publishes for the pace)"""
+    fastest_step_s: Optional[float] = None
+    """the shortest inner step among the other live peers' records then: a stride follows the ratio of the two"""
     fragments: List[dict] = field(default_factory=list)
     """streaming sync: each fragment's round in this phase (``StreamingMixin._finish``): fragment, averaged,
     group_size, attempts, launched_at_step, applied_at_step, round_s, waited_s, blocked_s, allreduce_s, bytes_sent,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ep2ptrain.proto\x12\x08p2ptrain\"\xc0\x04\n\x0cPeerProgress\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x12\n\nouter_step\x18\x03 \x01(\x04\x12\x12\n\nlocal_step\x18\x04 \x01(\x04\x12\x15\n\rsamples_per_s\x18\x05 \x01(\x01\x12\x11\n\ttimestamp\x18\x06 \x01(\x01\x12\x1a\n\x12samples_since_sync\x18\x07 \x01(\x04\x12\x13\n\x0b\x63lient_mode\x18\x08 \x01(\x08\x12\x18\n\x0bshard_index\x18\t \x01(\rH\x00\x88\x01\x01\x12\x15\n\rparams_schema\x18\n \x01(\t\x12\x13\n\x0blocal_steps\x18\x0b \x01(\r\x12\x13\n\x0b\x63ompression\x18\x0c \x01(\t\x12\x10\n\x08protocol\x18\r \x01(\r\x12\x14\n\x0creachability\x18\x0e \x01(\t\x12\r\n\x05model\x18\x0f \x01(\t\x12\x0f\n\x07n_layer\x18\x10 \x01(\r\x12\x0e\n\x06n_embd\x18\x11 \x01(\r\x12\x0e\n\x06n_head\x18\x12 \x01(\r\x12\x12\n\nblock_size\x18\x13 \x01(\r\x12\x12\n\nvocab_size\x18\x14 \x01(\r\x12\x16\n\x0enum_parameters\x18\x15 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x16 \x01(\r\x12\x11\n\x04seed\x18\x17 \x01(\x03H\x01\x88\x01\x01\x12\x0c\n\x04\x64\x61ta\x18\x18 \x01(\t\x12\x12\n\nbatch_size\x18\x19 \x01(\r\x12\x0f\n\x07threads\x18\x1a \x01(\r\x12\x15\n\rsync_schedule\x18\x1b \x01(\tB\x0e\n\x0c_shard_indexB\x07\n\x05_seed\"!\n\x10\x41\x64missionRequest\x12\r\n\x05token\x18\x01 \x01(\x0c\"I\n\x0f\x41\x64missionReport\x12\x15\n\rprivate_swarm\x18\x01 \x01(\x08\x12\x10\n\x08\x61\x64mitted\x18\x02 \x01(\x08\x12\r\n\x05token\x18\x03 \x01(\x0c\"\xdc\x01\n\x0bShardCursor\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0bshard_index\x18\x02 \x01(\r\x12\x12\n\nnum_shards\x18\x03 \x01(\r\x12\x19\n\x11samples_per_epoch\x18\x04 \x01(\x04\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x10\n\x08position\x18\x08 \x01(\x04\x12\x12\n\nouter_step\x18\t \x01(\x04\x12\x0f\n\x07peer_id\x18\n \x01(\t\x12\x11\n\ttimestamp\x18\x0b \x01(\x01\"%\n\x10StateInfoRequest\x12\x11\n\tadmission\x18\x01 \x01(\x0c\"~\n\tStateInfo\x12\x11\n\tavailable\x18\x01 \x01(\x08\x12\x12\n\nouter_step\x18\x02 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x12\n\nnum_values\x18\x04 \x01(\x04\x12\x14\n\x0c\x63hunk_values\x18\x05 \x01(\x04\x12\x10\n\x08metadata\x18\x06 \x01(\x0c\"Y\n\x11StateChunkRequest\x12\x12\n\nouter_step\x18\x01 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\x04\x12\x11\n\tadmission\x18\x04 \x01(\x0c\"/\n\nStateChunk\x12\x11\n\tavailable\x18\x01 \x01(\x08\x12\x0e\n\x06values\x18\x02 \x01(\x0c\"$\n\x13ReachabilityRequest\x12\r\n\x05ports\x18\x01 \x03(\r\"T\n\x12ReachabilityReport\x12\x16\n\x0eobserved_maddr\x18\x01 \x01(\t\x12\x17\n\x0freachable_ports\x18\x02 \x03(\r\x12\r\n\x05\x65rror\x18\x03 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ep2ptrain.proto\x12\x08p2ptrain\"\xd0\x04\n\x0cPeerProgress\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x12\n\nouter_step\x18\x03 \x01(\x04\x12\x12\n\nlocal_step\x18\x04 \x01(\x04\x12\x15\n\rsamples_per_s\x18\x05 \x01(\x01\x12\x11\n\ttimestamp\x18\x06 \x01(\x01\x12\x1a\n\x12samples_since_sync\x18\x07 \x01(\x04\x12\x13\n\x0b\x63lient_mode\x18\x08 \x01(\x08\x12\x18\n\x0bshard_index\x18\t \x01(\rH\x00\x88\x01\x01\x12\x15\n\rparams_schema\x18\n \x01(\t\x12\x13\n\x0blocal_steps\x18\x0b \x01(\r\x12\x13\n\x0b\x63ompression\x18\x0c \x01(\t\x12\x10\n\x08protocol\x18\r \x01(\r\x12\x14\n\x0creachability\x18\x0e \x01(\t\x12\r\n\x05model\x18\x0f \x01(\t\x12\x0f\n\x07n_layer\x18\x10 \x01(\r\x12\x0e\n\x06n_embd\x18\x11 \x01(\r\x12\x0e\n\x06n_head\x18\x12 \x01(\r\x12\x12\n\nblock_size\x18\x13 \x01(\r\x12\x12\n\nvocab_size\x18\x14 \x01(\r\x12\x16\n\x0enum_parameters\x18\x15 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x16 \x01(\r\x12\x11\n\x04seed\x18\x17 \x01(\x03H\x01\x88\x01\x01\x12\x0c\n\x04\x64\x61ta\x18\x18 \x01(\t\x12\x12\n\nbatch_size\x18\x19 \x01(\r\x12\x0f\n\x07threads\x18\x1a \x01(\r\x12\x15\n\rsync_schedule\x18\x1b \x01(\t\x12\x0e\n\x06step_s\x18\x1c \x01(\x01\x42\x0e\n\x0c_shard_indexB\x07\n\x05_seed\"!\n\x10\x41\x64missionRequest\x12\r\n\x05token\x18\x01 \x01(\x0c\"I\n\x0f\x41\x64missionReport\x12\x15\n\rprivate_swarm\x18\x01 \x01(\x08\x12\x10\n\x08\x61\x64mitted\x18\x02 \x01(\x08\x12\r\n\x05token\x18\x03 \x01(\x0c\"\xdc\x01\n\x0bShardCursor\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0bshard_index\x18\x02 \x01(\r\x12\x12\n\nnum_shards\x18\x03 \x01(\r\x12\x19\n\x11samples_per_epoch\x18\x04 \x01(\x04\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x10\n\x08position\x18\x08 \x01(\x04\x12\x12\n\nouter_step\x18\t \x01(\x04\x12\x0f\n\x07peer_id\x18\n \x01(\t\x12\x11\n\ttimestamp\x18\x0b \x01(\x01\"%\n\x10StateInfoRequest\x12\x11\n\tadmission\x18\x01 \x01(\x0c\"~\n\tStateInfo\x12\x11\n\tavailable\x18\x01 \x01(\x08\x12\x12\n\nouter_step\x18\x02 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x12\n\nnum_values\x18\x04 \x01(\x04\x12\x14\n\x0c\x63hunk_values\x18\x05 \x01(\x04\x12\x10\n\x08metadata\x18\x06 \x01(\x0c\"Y\n\x11StateChunkRequest\x12\x12\n\nouter_step\x18\x01 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\x04\x12\x11\n\tadmission\x18\x04 \x01(\x0c\"/\n\nStateChunk\x12\x11\n\tavailable\x18\x01 \x01(\x08\x12\x0e\n\x06values\x18\x02 \x01(\x0c\"$\n\x13ReachabilityRequest\x12\r\n\x05ports\x18\x01 \x03(\r\"T\n\x12ReachabilityReport\x12\x16\n\x0eobserved_maddr\x18\x01 \x01(\t\x12\x17\n\x0freachable_ports\x18\x02 \x03(\r\x12\r\n\x05\x65rror\x18\x03 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,23 +32,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'p2ptrain_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PEERPROGRESS']._serialized_start=29
-  _globals['_PEERPROGRESS']._serialized_end=605
-  _globals['_ADMISSIONREQUEST']._serialized_start=607
-  _globals['_ADMISSIONREQUEST']._serialized_end=640
-  _globals['_ADMISSIONREPORT']._serialized_start=642
-  _globals['_ADMISSIONREPORT']._serialized_end=715
-  _globals['_SHARDCURSOR']._serialized_start=718
-  _globals['_SHARDCURSOR']._serialized_end=938
-  _globals['_STATEINFOREQUEST']._serialized_start=940
-  _globals['_STATEINFOREQUEST']._serialized_end=977
-  _globals['_STATEINFO']._serialized_start=979
-  _globals['_STATEINFO']._serialized_end=1105
-  _globals['_STATECHUNKREQUEST']._serialized_start=1107
-  _globals['_STATECHUNKREQUEST']._serialized_end=1196
-  _globals['_STATECHUNK']._serialized_start=1198
-  _globals['_STATECHUNK']._serialized_end=1245
-  _globals['_REACHABILITYREQUEST']._serialized_start=1247
-  _globals['_REACHABILITYREQUEST']._serialized_end=1283
-  _globals['_REACHABILITYREPORT']._serialized_start=1285
-  _globals['_REACHABILITYREPORT']._serialized_end=1369
+  _globals['_PEERPROGRESS']._serialized_end=621
+  _globals['_ADMISSIONREQUEST']._serialized_start=623
+  _globals['_ADMISSIONREQUEST']._serialized_end=656
+  _globals['_ADMISSIONREPORT']._serialized_start=658
+  _globals['_ADMISSIONREPORT']._serialized_end=731
+  _globals['_SHARDCURSOR']._serialized_start=734
+  _globals['_SHARDCURSOR']._serialized_end=954
+  _globals['_STATEINFOREQUEST']._serialized_start=956
+  _globals['_STATEINFOREQUEST']._serialized_end=993
+  _globals['_STATEINFO']._serialized_start=995
+  _globals['_STATEINFO']._serialized_end=1121
+  _globals['_STATECHUNKREQUEST']._serialized_start=1123
+  _globals['_STATECHUNKREQUEST']._serialized_end=1212
+  _globals['_STATECHUNK']._serialized_start=1214
+  _globals['_STATECHUNK']._serialized_end=1261
+  _globals['_REACHABILITYREQUEST']._serialized_start=1263
+  _globals['_REACHABILITYREQUEST']._serialized_end=1299
+  _globals['_REACHABILITYREPORT']._serialized_start=1301
+  _globals['_REACHABILITYREPORT']._serialized_end=1385
 # @@protoc_insertion_point(module_scope)

@@ -10,13 +10,12 @@ numbers is logged and skipped, never raised.
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import threading
 import time
 from collections import Counter
-from typing import Deque, Dict, List, Optional
+from typing import List, Optional
 
 from google.protobuf.message import DecodeError
 from hivemind import DHT
@@ -165,11 +164,9 @@ class ProgressPublisher:
         """the data shard this peer claimed, published with every record (see swarm/shards.py)"""
         self.reachability = ""
         """how this peer chose public or client mode (swarm/reachability.py), published for status"""
-        self.swarm_step_rate: Optional[float] = None
-        """the fastest other live peer's inner steps per second (its local step's progress over the last
-        ``PACE_WINDOW_S`` of its records; None: not watching, or no record spans ``PACE_MIN_SPAN_S`` yet). A slower
-        peer sets its pace from it (``DiLoCoOptimizer``'s adaptive steps)"""
-        self._paces: Dict[str, Deque[tuple]] = {}  # peer -> its (local step, record timestamp), oldest first
+        self.fastest_step_s: Optional[float] = None
+        """the shortest inner step among the other live peers' records (their ``step_s``; None: not watching, or
+        none known yet). A slower peer sets its stride from it (``DiLoCoOptimizer``'s adaptive steps, pace.py)"""
         self.settings: dict = {}
         """SETTINGS and WORKER_FIELDS -> this peer's value, published with every record (the Worker sets the
         model's description and its own settings, DiLoCoOptimizer adds the rest)"""
@@ -196,38 +193,19 @@ class ProgressPublisher:
                 me = self.dht.peer_id.to_base58()
                 others = [r for r in fetch_progress(self.dht, self.run_id, timeout_s=self.period_s) if r.peer_id != me]
                 self.swarm_outer_step = max((r.outer_step for r in others), default=-1)
-                self.swarm_step_rate = self._note_paces(others)
+                known = [r.step_s for r in others if r.step_s > 0]
+                if known:  # a failed or empty read is no news: the last value stands
+                    self.fastest_step_s = min(known)
                 if others:
                     self.others_seen_at = time.monotonic()
 
-    def _note_paces(self, records: List[PeerProgress]) -> Optional[float]:
-        """Add the records' local steps to each peer's recent history; return the fastest peer's steps per second.
-        Rates come from each peer's own record timestamps (one clock per peer), so clock skew between peers does
-        not matter; a step backwards (the peer restarted) starts its history over."""
-        live = {r.peer_id for r in records}
-        for peer in [p for p in self._paces if p not in live]:
-            del self._paces[peer]
-        rates = []
-        for record in records:
-            history = self._paces.setdefault(record.peer_id, collections.deque())
-            if history and (record.local_step < history[-1][0] or record.timestamp < history[-1][1]):
-                history.clear()
-            if not history or record.timestamp != history[-1][1]:
-                history.append((record.local_step, record.timestamp))
-            while history and record.timestamp - history[0][1] > PACE_WINDOW_S:
-                history.popleft()
-            span = history[-1][1] - history[0][1] if history else 0.0
-            if span >= PACE_MIN_SPAN_S:
-                rates.append((history[-1][0] - history[0][0]) / span)
-        return max(rates, default=None)
-
     def publish(self, *, outer_step: int, local_step: int, samples_per_s: float, samples_since_sync: int,
-                wait_s: float = 0.0):
+                wait_s: float = 0.0, step_s: float = 0.0):
         """Store this peer's record. ``wait_s`` > 0: wait (at most that long) until the DHT has stored it, for a
         record the other peers must see before they next read (a peer's first, its sync point). Returns the store's
         future, for a caller that waits later (``wait_until_stored``) and does other work meanwhile."""
         self._last_fields = dict(outer_step=outer_step, local_step=local_step, samples_per_s=samples_per_s,
-                                 samples_since_sync=samples_since_sync)
+                                 samples_since_sync=samples_since_sync, step_s=step_s)
         if self._heartbeat is None and not self._heartbeat_stop.is_set():
             self.start_heartbeat()  # from the first record on (a shard claim, before the model is even built)
         record = PeerProgress(
@@ -238,6 +216,7 @@ class ProgressPublisher:
             samples_per_s=samples_per_s,
             timestamp=get_dht_time(),
             samples_since_sync=samples_since_sync,
+            step_s=step_s,
             client_mode=self.client_mode,
             reachability=self.reachability,
             shard_index=self.shard_index,
@@ -276,12 +255,6 @@ class ProgressPublisher:
             subkey=self.dht.peer_id.to_bytes(),
             return_future=True,
         )
-
-
-PACE_WINDOW_S = 60.0
-"""how far back a peer's records count for its pace"""
-PACE_MIN_SPAN_S = 10.0
-"""a pace needs records of a peer at least this far apart"""
 
 
 def fetch_progress(dht: DHT, run_id: str, timeout_s: float = 10.0) -> List[PeerProgress]:

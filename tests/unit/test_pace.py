@@ -14,15 +14,19 @@ def test_a_slower_peer_strides_by_its_rounded_slowness_keeping_two_steps_a_phase
     assert stride_for(50.0, 10) == 5
 
 
-def test_the_stride_grows_only_after_two_slow_looks_and_drops_at_once():
+def test_the_stride_moves_only_after_two_looks_in_a_row_want_it_moved():
     pace = Pace(local_steps=40)
-    assert pace.update(0.2, 10.0) == 1  # 2x slower once: could be noise
-    assert pace.update(0.1, 10.0) == 1  # as fast as the swarm: the count starts over
-    assert pace.update(0.2, 10.0) == 1
-    assert pace.update(0.2, 10.0) == 2  # twice in a row: a trend
-    assert pace.update(0.2, 10.0) == 2  # strided, its step is still 2x the fastest peer's: it stays
-    assert pace.update(0.1, 10.0) == 1  # fast again: back to every step at once
-    assert pace.update(None, 10.0) == 1 and pace.update(0.4, None) == 1  # unknown: full steps
+    assert pace.update(0.2, 0.1) == 1  # 2x slower than the fastest peer once: could be noise
+    assert pace.update(0.1, 0.1) == 1  # as fast: the count starts over
+    assert pace.update(0.2, 0.1) == 1
+    assert pace.update(0.2, 0.1) == 2  # twice in a row: a trend
+    assert pace.update(0.16, 0.1) == 2  # strided at 2, 1.6x is within half a step of it: noise, it stays
+    assert pace.update(0.25, 0.1) == 2  # 2.5x: still within half a step
+    assert pace.update(0.1, 0.1) == 2  # as fast once
+    assert pace.update(0.1, 0.1) == 1  # twice: back to every step
+    assert pace.update(None, 0.1) == 1 and pace.update(0.4, None) == 1  # unknown: full steps
+    pace.stride = 3
+    assert pace.update(0.3, None) == 3 and pace.update(0.3, None) == 3  # unknown now: no news, no change
 
 
 def test_advance_never_crosses_the_phase_end():
@@ -38,4 +42,4 @@ def test_advance_never_crosses_the_phase_end():
 def test_a_disabled_pace_stays_at_one():
     pace = Pace(local_steps=40, enabled=False)
     for _ in range(4):
-        assert pace.update(1.0, 10.0) == 1
+        assert pace.update(1.0, 0.1) == 1
