@@ -49,7 +49,7 @@ def run_bench(*, models: Sequence[str], peers: int, rates_mbit: Sequence[Optiona
               local_steps: Sequence[int], phases_s: Sequence[float], outer_steps: int,
               compressions: Sequence[str], batch_size: int, out: Path, loopback: bool,
               behind_nat: Sequence[int] = (0,), groupings: Sequence[str] = ("pinned",),
-              streaming: Sequence[tuple] = ((1, 0),),
+              streaming: Sequence[tuple] = ((1, 0),), throttles: Sequence[float] = (1.0,),
               echo: Callable[[str], None] = print) -> Path:
     """Run every combination and write ``out/report.md`` (+ .json, plots); returns the report's path."""
     problem = "--loopback given" if loopback else (nat_problem() if any(behind_nat) else netns_problem())
@@ -67,14 +67,14 @@ def run_bench(*, models: Sequence[str], peers: int, rates_mbit: Sequence[Optiona
             echo(f"{model}: H={h} makes an inner phase of about {phase:.0f}s with {peers} workers on "
                  f"{os.cpu_count()} cores")
             steps.append(h)
-        for h, rate, compression, nat, grouping, (fragments, overlap) in itertools.product(
-                steps, rates_mbit, compressions, behind_nat, groupings, streaming):
+        for h, rate, compression, nat, grouping, (fragments, overlap), throttle in itertools.product(
+                steps, rates_mbit, compressions, behind_nat, groupings, streaming, throttles):
             fragments = min(fragments, h)
             overlap = h // fragments - 1 if overlap is None else overlap  # None: the most the schedule allows
             configs.append(BenchConfig(model=model, peers=peers, rate_mbit=rate, local_steps=h,
                                        outer_steps=outer_steps, compression=compression, batch_size=batch_size,
                                        behind_nat=nat, grouping=grouping, fragments=fragments,
-                                       overlap_steps=overlap))
+                                       overlap_steps=overlap, throttle=throttle))
     results = []
     # Ctrl-C and SIGTERM both end the run cleanly (daemons stopped, namespaces removed), even when started from a
     # shell that had SIGINT ignored (as background jobs of a non-interactive shell are)

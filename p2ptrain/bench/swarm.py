@@ -43,6 +43,8 @@ class BenchConfig:
     fragments: int = 1
     """streaming sync: fragments (1 and overlap_steps 0: the blocking sync)"""
     overlap_steps: int = 0
+    throttle: float = 1.0
+    """the last worker is made this many times slower (join --throttle): peers of different speeds"""
     eval_batches: int = 2
     """held-out batches per eval (after every round): evals are wall time but not inner steps, so they lower the
     compute utilization; the worker's default of 8 would cost a 25M-model peer ~10% of a 1-minute phase here"""
@@ -53,8 +55,9 @@ class BenchConfig:
         nat = f"-{self.behind_nat}nat" if self.behind_nat else ""
         grouping = "-defaults" if self.grouping == "defaults" else ""
         streaming = f"-F{self.fragments}tau{self.overlap_steps}" if self.fragments > 1 or self.overlap_steps else ""
+        slow = f"-slow{self.throttle:g}x" if self.throttle != 1.0 else ""
         return (f"{self.model}-{self.peers}peers{nat}-{rate}-H{self.local_steps}-{self.compression}{streaming}"
-                f"{grouping}")
+                f"{slow}{grouping}")
 
     @property
     def nat_hosts(self) -> frozenset:
@@ -98,6 +101,7 @@ def run_config(cfg: BenchConfig, out: Path, topology: Optional[Topology], progre
                 # after a failed round (its syncs would count one fewer, and under "wait" it would wait for good)
                 "--until-outer-step", str(cfg.outer_steps), "--compression", cfg.compression,
                 "--fragments", str(cfg.fragments), "--overlap-steps", str(cfg.overlap_steps),
+                "--throttle", str(cfg.throttle if i == cfg.peers else 1.0),
                 *_grouping_flags(cfg, i),
                 "--averaging-timeout", "600", "--threads", "1", "--no-progress", "--log-interval", "30",
                 "--eval-batches", str(cfg.eval_batches),

@@ -217,13 +217,15 @@ def _streaming_schedule(text: str) -> tuple:
 @click.option("--streaming", "streaming", multiple=True, default=["1:0"], show_default=True,
               help="The sync as FRAGMENTS[:OVERLAP_STEPS] (repeatable, to compare): 1:0 is the blocking sync; "
                    "without :OVERLAP_STEPS, the most the schedule allows (H // FRAGMENTS - 1).")
+@click.option("--slow-peer", "throttles", type=click.FloatRange(min=1), multiple=True, default=[1.0],
+              show_default=True, help="Make the last worker this many times slower (join --throttle; repeatable).")
 @click.option("--loopback", is_flag=True, help="No namespaces or rate limit, even as root.")
 @click.option("--clean", "clean_only", is_flag=True, help="Remove namespaces a killed benchmark left, then exit.")
 @click.option("--convergence", "convergence_steps", type=click.IntRange(min=1), multiple=True,
               help="Instead: the convergence experiment at this many inner steps (repeatable): alone, data-parallel "
                    "with --peers x the batch, DiLoCo per --local-steps and --compression, and the real swarm.")
 def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, batch_size, out, behind_nat, groupings,
-          streaming, loopback, clean_only, convergence_steps) -> None:
+          streaming, throttles, loopback, clean_only, convergence_steps) -> None:
     """Benchmark real swarms over rate-limited links (one network namespace per peer; root needed, else
     loopback): compute utilization, bytes on the wire, sync seconds against the bandwidth bound, eval loss."""
     from pathlib import Path
@@ -257,6 +259,7 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
         report = run_bench(models=models, peers=peers, rates_mbit=rates, local_steps=local_steps, phases_s=phases,
                            outer_steps=outer_steps, compressions=compressions, batch_size=batch_size, out=Path(out),
                            loopback=loopback, behind_nat=behind_nat, groupings=groupings, streaming=schedules,
+                           throttles=throttles,
                            echo=click.echo)
     except KeyboardInterrupt:
         click.echo(f"interrupted: the namespaces are removed; figures so far in {out}/report.md", err=True)

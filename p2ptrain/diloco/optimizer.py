@@ -167,6 +167,7 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
         self._apply_lr_schedules()  # records the base LRs before anything else can change them
         self._committed_local_step = 0  # local step at which the last outer step was taken
         self._donor_in_round = False  # the last downloaded state came from peers in the middle of a round
+        self._donor_in_flight = None  # ... of a fragment's round (streaming sync): [fragment, launch step]
         self.samples_since_sync = 0
         self._steps_since_sync = 0  # inner steps in this peer's pseudo-gradient (the norm check's scale)
         self.history: List[SyncRecord] = []
@@ -260,6 +261,8 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
         """One inner step; every ``local_steps`` inner steps, also a sync. Returns what the closure returned."""
         self._require_started()
         samples = batch_size if batch_size is not None else (self.batch_size or 1)
+        if self.plan.streaming:
+            self._finish_overdue()
         with self._state_lock:
             self._apply_lr_schedules()  # local_step may have jumped since the last step (a catch-up)
             loss = self.inner_optimizer.step(closure)
@@ -283,8 +286,6 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
         self._serve_snapshot_request()  # a donor snapshot asked for since the last step: copy it now, on this core
         if self.plan.streaming:
             self._streaming_after_step()
-            if self._in_flight is None:
-                self._serve_snapshot_request()  # one asked for while a round was in flight: served now
         if self.plan.streaming and self._in_flight is not None:
             self._publish_progress()
         elif not self.plan.streaming and self.local_step % self.local_steps == 0:

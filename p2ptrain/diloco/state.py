@@ -59,6 +59,10 @@ class StateSharingMixin:
     def _catch_up_and_join(self, started: float, attempts: int) -> Optional[SyncRecord]:
         if not self.load_state_from_peers(timeout_s=self.averaging_timeout_s):
             return None
+        if self.plan.streaming and self._donor_in_flight:
+            # the donors are in a fragment's round: join it with weight 0, so that this peer applies the same
+            # average to that fragment at its apply step (else it would keep the fragment's older version)
+            self._join_fragment_in_progress(*self._donor_in_flight)
         if not self._donor_in_round:
             self._fast_forward()
         if self._donor_in_round:
@@ -79,10 +83,14 @@ class StateSharingMixin:
         steps = [r.local_step for r in fetch_progress(self.dht, self.run_id, timeout_s=5.0)
                  if r.peer_id != me and r.outer_step == self.outer_step]
         next_sync = (self.local_step // self.local_steps + 1) * self.local_steps
-        if self.plan.streaming:  # never skip a fragment's launch step: its round would start without us
+        if self.plan.streaming:
+            # never skip a fragment's launch step (its round would start without us), nor the apply step of the
+            # round it joined (it applies it there, like the donors)
             phase_start = next_sync - self.local_steps
-            launches = [phase_start + self.plan.launch_at(f) for f in range(self.plan.fragments)]
-            next_sync = min([step for step in launches if step > self.local_step], default=next_sync)
+            steps = [phase_start + self.plan.launch_at(f) for f in range(self.plan.fragments)]
+            if self._in_flight is not None:
+                steps.append(self._apply_step_of(self._in_flight))
+            next_sync = min([step for step in steps if step > self.local_step], default=next_sync)
         target = min(max(steps, default=-1), next_sync - 1)
         if target > self.local_step:
             logger.info(f"{self._tag()} the swarm is {target - self.local_step} inner step(s) further in this phase "
@@ -145,8 +153,7 @@ class StateSharingMixin:
                 self._staging = torch.zeros(size, dtype=torch.float32).share_memory_()
             request = _SnapshotRequest(self._staging)
             self._snapshot_request = request
-            deadline = time.monotonic() + self.averaging_timeout_s  # a fragment round in flight ends within it
-            while not request.done.wait(timeout=1.0) and time.monotonic() < deadline:
+            if not request.done.wait(timeout=1.0):
                 self._serve_snapshot_request()
             self._snapshot_request = None
             if request.metadata is not None:
@@ -156,12 +163,10 @@ class StateSharingMixin:
     def _serve_snapshot_request(self) -> None:
         """Copy the state into the staging buffer if a donor snapshot was asked for (any thread)."""
         request = self._snapshot_request
-        if request is None or request.done.is_set() or self._in_flight is not None:
+        if request is None or request.done.is_set():
             return
         with self._state_lock:
-            # a fragment round in flight (streaming sync): the state is half-way between two versions of that
-            # fragment; it is served once the round is applied, at most overlap_steps inner steps later
-            if request.done.is_set() or self._in_flight is not None:
+            if request.done.is_set():
                 return
             started = time.perf_counter()
             tensors, metadata = self._state_layout()
@@ -191,6 +196,9 @@ class StateSharingMixin:
             "local_step": self.local_step,
             # at a sync point but not yet past it: this peer is in a round right now
             "in_round": self.local_step % self.local_steps == 0 and self._committed_local_step != self.local_step,
+            # streaming sync: the fragment whose round is in flight, and the local step it was launched at; its
+            # values here are still the version before that round (a newcomer joins it, with weight 0)
+            "in_flight": [self._in_flight.fragment, self._in_flight.local_step] if self._in_flight else None,
             "digest": self._digest,
             "has_momentum": has_momentum,
             "inner": inner,
@@ -246,6 +254,7 @@ class StateSharingMixin:
             # the donor's local step puts this peer's next sync in phase with the swarm's
             self.local_step = int(metadata["local_step"])
             self._donor_in_round = bool(metadata.get("in_round", False))
+            self._donor_in_flight = metadata.get("in_flight")
             self._committed_local_step = -1 if self._donor_in_round else self.local_step
             self.samples_since_sync = 0
             self._steps_since_sync = 0

@@ -72,6 +72,18 @@ class StreamingMixin:
 
     # ------------------------------------------------------------------------------------------ the schedule
 
+    def _finish_overdue(self) -> None:
+        """Apply a round in flight whose apply step this peer is already at or past: one it joined after taking the
+        state, or one whose apply step a skip of inner steps passed (``_fast_forward``). Called by ``step()`` before
+        the inner step, outside the state lock."""
+        round_ = self._in_flight
+        if round_ is not None and self.local_step >= self._apply_step_of(round_):
+            self._finish(round_.fragment)
+
+    def _apply_step_of(self, round_: FragmentRound) -> int:
+        """The local step at which ``round_``'s fragment is applied."""
+        return round_.local_step - self.plan.launch_at(round_.fragment) + self.plan.apply_at(round_.fragment)
+
     def _streaming_after_step(self) -> None:
         """After an inner step (local_step already counted, the launch due at it done under the state lock): apply
         the fragment due at this step."""
@@ -93,8 +105,13 @@ class StreamingMixin:
     @torch.no_grad()
     def _launch(self, fragment: int) -> None:
         started = time.perf_counter()
-        if self._in_flight is not None:  # cannot happen with a valid plan (tau < H // F); never run two at once
-            self._finish(self._in_flight.fragment)
+        if self._in_flight is not None:
+            # cannot happen: the plan applies each round before the next launch, and step() finishes an overdue one
+            # before its inner step. Called under the state lock, which applying needs: skip this fragment's round
+            # rather than wait (its values then lag the swarm's until the digest check repairs them)
+            logger.error(f"{self._tag()} fragment {self._in_flight.fragment}'s round is still in flight at fragment "
+                         f"{fragment}'s launch; skipping fragment {fragment}'s round")
+            return
         indices = self.plan.tensors[fragment]
         diverged = False
         with self.averager.get_tensors() as all_buffers:
@@ -122,21 +139,43 @@ class StreamingMixin:
         self._fragment_samples[fragment] = 0
         self._fragment_steps[fragment] = 0
         stored = self._publish_progress(force=True, wait=False)  # the others see us at this launch step
-        round_ = FragmentRound(fragment, self.local_step, weight)
+        self._start_round(FragmentRound(fragment, self.local_step, weight), position, stored)
+        self._phase.blocked_s += time.perf_counter() - started
 
+    def _start_round(self, round_: FragmentRound, position: Position, stored=None) -> None:
+        """Run ``round_`` in a thread of its own; it is in flight until its apply step (``_finish``)."""
         def run() -> None:
             try:
-                wait_until_stored(stored, FORCED_STORE_WAIT_S)
-                round_.outcome = self.rounds.run(weight, position)
+                if stored is not None:
+                    wait_until_stored(stored, FORCED_STORE_WAIT_S)
+                round_.outcome = self.rounds.run(round_.weight, position)
             except Exception as e:  # a network failure is a value: the fragment is applied as a failed round
-                logger.warning(f"{self._tag()} fragment {fragment}'s round failed unexpectedly: {e!r}")
+                logger.warning(f"{self._tag()} fragment {round_.fragment}'s round failed unexpectedly: {e!r}")
                 round_.outcome = RoundOutcome(Outcome.NO_GROUP, 0)
             round_.ended = time.perf_counter()
 
-        round_.thread = threading.Thread(target=run, name=f"p2ptrain-fragment-{fragment}", daemon=True)
+        round_.thread = threading.Thread(target=run, name=f"p2ptrain-fragment-{round_.fragment}", daemon=True)
         self._in_flight = round_
         round_.thread.start()
-        self._phase.blocked_s += time.perf_counter() - started
+
+    @torch.no_grad()
+    def _join_fragment_in_progress(self, fragment: int, launched_at: int) -> None:
+        """After taking the state from donors whose round of ``fragment`` (launched at ``launched_at``) is in flight:
+        take part in it with zeros and weight 0, adding nothing to the average but applying it like the others."""
+        indices = self.plan.tensors[fragment]
+        with self.averager.get_tensors() as all_buffers:
+            for i in indices:
+                all_buffers[i].zero_()
+        position = Position(
+            outer_step=self.outer_step, local_step=launched_at, phase_started=self._phase_started,
+            last_group=self._last_group, fragment=fragment, fragments=self.plan.fragments,
+            applied_by=launched_at - self.plan.launch_at(fragment) + self.plan.apply_at(fragment),
+            gather={"outer_step": self.outer_step, "samples": 0, "fragment": fragment, "norm_scale": 1.0,
+                    "digest": _digest_of(self.global_params[i] for i in indices)},
+        )
+        logger.info(f"{self._tag()} the donors were in fragment {fragment}'s round: joining it with weight 0")
+        with self._state_lock:
+            self._start_round(FragmentRound(fragment, launched_at, 0.0), position)
 
     @torch.no_grad()
     def _finish(self, fragment: int) -> None:
@@ -150,12 +189,11 @@ class StreamingMixin:
         round_ = self._in_flight
         if round_ is None or round_.fragment != fragment:
             # nothing of ours in flight for it: this peer resumed from a checkpoint written after the round was
-            # applied early (``flush``), or took the state past the launch step (donors serve none while a round
-            # is in flight, so not from a donor). The fragment stays where it is
+            # applied early (``flush``). The fragment stays where it is (a donor's snapshot names its round in
+            # flight, which a newcomer joins: ``_join_fragment_in_progress``)
             logger.info(f"{self._tag()} fragment {fragment} is due but no round of it is in flight; nothing to apply")
             return
         round_.thread.join()
-        self._in_flight = None
         outcome = round_.outcome or RoundOutcome(Outcome.NO_GROUP, 0)
         self._phase.attempts += outcome.attempts
         waited = time.perf_counter() - started
@@ -167,6 +205,7 @@ class StreamingMixin:
             logger.warning(f"{self._tag()} the swarm has moved past outer step {self.outer_step} (fragment "
                            f"{fragment}); discarding this peer's pseudo-gradients and taking the state from live peers")
             self._phase.blocked_s += waited
+            self._in_flight = None
             if self._catch_up_and_join(started, outcome.attempts) is not None:
                 self._reset_fragment_counters()
                 return
@@ -174,13 +213,15 @@ class StreamingMixin:
             # leaving: commit nothing the swarm did not; the fragment's local progress stays in the model
             logger.warning(f"{self._tag()} leaving: abandoning fragment {fragment}'s round without an outer step")
             self._phase.blocked_s += time.perf_counter() - started
+            self._in_flight = None
             return
         if outcome.kind is Outcome.NO_GROUP:
             self.rounds.explain_no_group()
             logger.warning(f"{self._tag()} no group formed for fragment {fragment} after {outcome.attempts} "
                            "attempt(s); applying this peer's own pseudo-gradient (no_group_policy=apply_local)")
         alpha = self.plan.merge_alpha if self.plan.overlap_steps > 0 else 0.0
-        with self.averager.get_tensors() as all_buffers, self._state_lock:
+        with self._state_lock, self.averager.get_tensors() as all_buffers:  # the order _launch takes them in
+            self._in_flight = None  # under the lock: a donor's snapshot sees the round in flight or applied
             self._apply_lr_schedules()
             globals_ = [self.global_params[i] for i in indices]
             for g, i in zip(globals_, indices):

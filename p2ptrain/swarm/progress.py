@@ -96,6 +96,13 @@ def _model_differences(mine: dict, theirs: dict) -> bool:
     return any(_known(mine.get(n)) and _known(theirs.get(n)) and mine[n] != theirs[n] for n in MODEL_FIELDS)
 
 
+def _shown(name: str, value) -> str:
+    """A run setting's value as a refusal names it."""
+    if name == "sync_schedule" and value == "":
+        return "blocking (1 fragment, no overlap)"
+    return repr(value)
+
+
 def check_run_settings(mine: dict, records: List[PeerProgress], run_id: str) -> None:
     """Raise RunMismatch if ``mine`` (SETTINGS -> value; a value may be missing or None where this peer does not
     know it) differs from what most live peers publish. The message names each difference in words, with the value
@@ -123,7 +130,8 @@ def check_run_settings(mine: dict, records: List[PeerProgress], run_id: str) -> 
             continue  # a peer that does not know its seed (a library user) is not compared on it
         value, count = values.most_common(1)[0]
         if value != mine[name]:
-            differences.append(f"{_RUN_FIELD_WORDS[name]} {mine[name]!r} here, {value!r} {on(count)}")
+            here, there = (_shown(name, v) for v in (mine[name], value))
+            differences.append(f"{_RUN_FIELD_WORDS[name]} {here} here, {there} {on(count)}")
     if differences:
         raise RunMismatch(f"this peer does not match run {run_id!r}: {'; '.join(differences)}; start it with the "
                           "run's model and settings, or under another --run-id")

@@ -53,3 +53,51 @@ def test_a_slower_worker_takes_fewer_steps_and_holds_nobody_up(tmp_path, throttl
     after = [r["seconds"] for r in fast["rounds"] if r["outer_step"] > strided[0]["outer_step"]]
     print(f"fast worker's sync seconds before the stride {before}, after {after}")
     assert after and statistics.median(after) < 0.5 * max(before or [float('inf')])
+
+
+@pytest.mark.slow
+def test_a_streaming_swarm_keeps_every_fragment_identical_for_a_newcomer_and_across_a_resume(tmp_path):
+    """Three workers with --fragments 3 --overlap-steps 3, the third joining mid-run: after every phase all peers hold
+    the same global bits (every fragment averaged in one group), the newcomer's included; a worker resumed from its
+    checkpoint starts from exactly the model it left with and goes on with the fragment schedule."""
+    run = "stream-cli"
+    flags = ("--model", "tiny", "--local-steps", "24", "--fragments", "3", "--overlap-steps", "3", "--batch-size",
+             str(BATCH), "--eval-batches", "1", "--matchmaking-time", "3", "--throttle", "2", "--until-outer-step",
+             "16")  # throttled alike: phases of a few seconds, so that the newcomer's start-up does not outlast the run
+    boot, maddr = start_bootstrap(tmp_path)
+    procs = [boot]
+    try:
+        procs.append(start_worker(tmp_path, 0, maddr, run, *flags))
+        procs.append(start_worker(tmp_path, 1, maddr, run, *flags, "--checkpoint-dir", str(tmp_path / "ckpt")))
+        wait_until(lambda: report(tmp_path, 0).get("outer_steps", 0) >= 2, "the first workers' second phase", 180,
+                   procs=[("worker 0", procs[1])])
+        procs.append(start_worker(tmp_path, 2, maddr, run, *flags))
+        for i, proc in enumerate(procs[1:]):
+            assert exit_code(proc, 300, tmp_path / f"w{i}.log") == 0, (tmp_path / f"w{i}.log").read_text()[-3000:]
+        check_swarm_and_resume(tmp_path, maddr, run, flags, procs)
+    finally:
+        stop_all(procs)
+
+
+def check_swarm_and_resume(tmp_path, maddr: str, run: str, flags: tuple, procs: list) -> None:
+    reports = [report(tmp_path, i) for i in range(3)]
+    logs = "\n".join((tmp_path / f"w{i}.log").read_text()[-2500:] for i in range(3))
+    digests = [{r["outer_step"]: r["digest"] for r in rep["rounds"]} for rep in reports]
+    newcomer_own = [r for r in reports[2]["rounds"] if not r["caught_up"]]
+    assert reports[2]["start_outer_step"] >= 2 and newcomer_own, (reports[2]["rounds"], logs)
+    for r in newcomer_own:
+        assert r["averaged"] and [f["fragment"] for f in r["fragments"]] == [0, 1, 2], (r, logs)
+        assert all(f["averaged"] for f in r["fragments"]), (r, logs)
+        # the same global bits as the two others after the phase
+        assert digests[0][r["outer_step"]] == digests[1][r["outer_step"]] == r["digest"], (r["outer_step"], logs)
+    assert all(r["averaged"] for rep in reports[:2] for r in rep["rounds"]), logs
+
+    # resumed alone: exactly the model it left with, and the fragment schedule goes on
+    resumed = start_worker(tmp_path, 3, maddr, run, *flags[:-1], "17", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                           "--resume", "--matchmaking-time", "1")
+    procs.append(resumed)  # stopped with the rest if anything below fails
+    assert exit_code(resumed, 180, tmp_path / "w3.log") == 0, (tmp_path / "w3.log").read_text()[-3000:]
+    again = report(tmp_path, 3)
+    assert again["initial_eval_loss"] == reports[1]["final_eval_loss"]
+    assert [r["outer_step"] for r in again["rounds"]] == [17]
+    assert [f["fragment"] for f in again["rounds"][0]["fragments"]] == [0, 1, 2]

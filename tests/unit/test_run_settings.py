@@ -86,3 +86,12 @@ def test_records_of_old_peers_without_settings_are_not_compared():
     message = refusal(settings("small"), [record(0, **old)])
     assert ("model 'small' (8 layers, 512 wide, 25.5M parameters, 28 tensors) here, without a built-in name (tensor "
             "schema 1111aaaa2222bbbb) on 1 of 1 live peer") in message
+
+
+def test_a_different_streaming_sync_is_refused_with_both_schedules():
+    """A fragment round needs every member on the same schedule: the blocking sync ("") against a streaming one."""
+    live = [record(i, **settings(sync_schedule="fragments=4 overlap=2 alpha=0.5")) for i in range(2)]
+    message = refusal(settings(sync_schedule=""), live)
+    assert ("streaming sync (--fragments, --overlap-steps) blocking (1 fragment, no overlap) here, "
+            "'fragments=4 overlap=2 alpha=0.5' on 2 of 2 live peers") in message
+    check_run_settings(settings(sync_schedule="fragments=4 overlap=2 alpha=0.5"), live, "r")
