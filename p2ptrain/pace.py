@@ -17,7 +17,9 @@ values: no torch, no network.
 
 from __future__ import annotations
 
-from typing import Optional
+import collections
+import statistics
+from typing import Deque, Optional
 
 SLOW_RATIO = 1.75
 """a peer whose inner step takes this many times the fastest peer's (or more) is slow: it steps with a stride"""
@@ -41,6 +43,16 @@ class Pace:
         self.stride = 1
         self.ratio: Optional[float] = None
         self._looks, self._direction = 0, 0  # looks in a row that wanted the stride moved, and which way
+        self._step_times: Deque[float] = collections.deque(maxlen=32)  # seconds of recent inner steps
+
+    def record_step(self, seconds: float) -> None:
+        """One inner step's seconds: forward, backward, data and the update, not the sync work around it."""
+        self._step_times.append(seconds)
+
+    @property
+    def step_s(self) -> Optional[float]:
+        """The median of the recent inner steps' seconds (None until there are a few): what the peer publishes."""
+        return statistics.median(self._step_times) if len(self._step_times) >= 4 else None
 
     def update(self, step_s: Optional[float], fastest_step_s: Optional[float]) -> int:
         """Take one look (at a phase end) at this peer's step time and the fastest other peer's; return the stride

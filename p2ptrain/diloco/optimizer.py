@@ -4,13 +4,11 @@ transfer is its mixin (``state.py``)."""
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import logging
-import statistics
 import threading
 import time
-from typing import Any, Callable, Deque, Iterable, List, Optional
+from typing import Any, Callable, Iterable, List, Optional
 
 import torch
 from hivemind import DHT
@@ -30,13 +28,9 @@ from p2ptrain.finite import all_finite_many
 from p2ptrain.pace import Pace
 from p2ptrain.outer import add_error_feedback_, outer_step_, pseudo_gradient_
 from p2ptrain.schedules import Schedule, scale_lrs
-from p2ptrain.swarm.progress import ProgressPublisher, wait_until_stored
+from p2ptrain.swarm.progress import FORCED_STORE_WAIT_S, ProgressPublisher, wait_until_stored
 
 logger = logging.getLogger(__package__)  # one logger name for the whole optimizer, as users grep for it
-
-FORCED_STORE_WAIT_S = 2.0
-"""how long a forced progress record (our first, a sync point, a commit) is waited for before the peer goes on"""
-
 
 class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
     """A drop-in ``torch.optim.Optimizer`` that trains with DiLoCo across a hivemind swarm.
@@ -222,7 +216,6 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
         self._no_donor_at_outer_step = -1  # a mid-phase catch-up found no donor at this outer step: wait for the sync
         self._init_streaming()
         self.pace = Pace(local_steps, enabled=adaptive_steps)
-        self._step_intervals: Deque[float] = collections.deque(maxlen=32)  # seconds per inner step, recent ones
         self._last_step_end: Optional[float] = None
         self.membership = Membership(dht, run_id, self.averager, progress, progress_period_s=progress_period_s,
                                      settings=self.run_settings(), watch_swarm=catch_up_mid_phase,
@@ -268,7 +261,7 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
             loss = self.inner_optimizer.step(closure)
             stepped = time.perf_counter()
             if self._last_step_end is not None:  # this inner step's time: forward, backward, data, the update
-                self._step_intervals.append(stepped - self._last_step_end)
+                self.pace.record_step(stepped - self._last_step_end)
             advance = self.pace.advance(self.local_step)
             self.local_step += 1
             if self.plan.streaming:  # a fragment's round starts here, under the lock: a donor sees it all or none
@@ -428,26 +421,29 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
                 )
         return self._apply(started, outcome.result, outcome.attempts)
 
-    def _fill_pseudo_gradient(self) -> bool:
-        """Write this peer's pseudo-gradient (plus its error-feedback residual) into the averager's buffers. True
-        when local training diverged: then the buffers hold zeros, which the peer sends with weight 0."""
-        with self.averager.get_tensors() as buffers:
-            pseudo_gradient_(buffers, self.global_params, self.params)
+    def _fill_pseudo_gradient(self, indices: Optional[List[int]] = None, what: str = "the pseudo-gradient") -> bool:
+        """Write this peer's pseudo-gradient (plus its error-feedback residual) into the averager's buffers: of every
+        tensor, or of the tensors ``indices`` (a fragment's, streaming sync). True when local training diverged:
+        then those buffers hold zeros, which the peer sends with weight 0."""
+        indices = range(len(self.global_params)) if indices is None else indices
+        with self.averager.get_tensors() as all_buffers:
+            buffers = [all_buffers[i] for i in indices]
+            pseudo_gradient_(buffers, [self.global_params[i] for i in indices], [self.params[i] for i in indices])
+            residuals = None if self._residuals is None else [self._residuals[i] for i in indices]
             if not all_finite_many(buffers):
                 # local training diverged: contribute nothing (weight 0, zeros) but still take the group's average,
                 # which puts this peer back on the shared parameters; the group is not kept waiting for us
-                for buffer in buffers:
-                    buffer.zero_()
-                self._reset_residuals()
+                for tensor in buffers + (residuals or []):
+                    tensor.zero_()
                 logger.error(
-                    f"{self._tag()} the pseudo-gradient has NaN/inf values (local training diverged); "
-                    "discarding this peer's local progress since the last sync; lower inner_lr if this repeats"
+                    f"{self._tag()} {what} has NaN/inf values (local training diverged); discarding this peer's "
+                    "local progress since the last sync; lower inner_lr if this repeats"
                 )
                 return True
-            if self._residuals is not None:
+            if residuals is not None:
                 # error feedback: send what the wire dropped last time too, and keep what it will drop of this
                 # (the same parts, rounded the same way as the all-reduce will); kept only if the round averages
-                add_error_feedback_(buffers, self._residuals, self.averager.codec, self.averager.part_size_bytes)
+                add_error_feedback_(buffers, residuals, self.averager.codec, self.averager.part_size_bytes)
         return False
 
     @torch.no_grad()
@@ -479,7 +475,7 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
         """The rest of closing a sync: its record in ``history`` and the log, the next phase's counters, a fresh
         progress record."""
         record.inner_steps, record.stride = self._steps_since_sync, self.pace.stride
-        record.step_s, record.fastest_step_s = self._step_s(), self.progress.fastest_step_s
+        record.step_s, record.fastest_step_s = self.pace.step_s, self.progress.fastest_step_s
         stride = self.pace.update(record.step_s, record.fastest_step_s)
         if stride != record.stride:
             logger.info(f"{self._tag()} an inner step here takes {self.pace.ratio or 0:.2f}x the fastest live peer's: "
@@ -496,10 +492,6 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
         self._publish_progress(force=True, wait=False)
         record.phases["record"] = time.perf_counter() - started_publish
         return record
-
-    def _step_s(self) -> Optional[float]:
-        """The median of this peer's recent inner steps' seconds (None until there are a few)."""
-        return statistics.median(self._step_intervals) if len(self._step_intervals) >= 4 else None
 
     def _position(self) -> Position:
         """Where this peer stands for the round it is about to average, and what it tells the group about it."""
@@ -556,7 +548,7 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
                 samples_per_s=self.samples_per_s,
                 samples_since_sync=self.samples_since_sync,
                 wait_s=FORCED_STORE_WAIT_S if force and wait else 0.0,
-                step_s=self._step_s() or 0.0,
+                step_s=self.pace.step_s or 0.0,
             )
         return None
 

@@ -19,15 +19,10 @@ import torch
 
 from p2ptrain.diloco.records import Outcome, RoundOutcome, SyncRecord, _digest_of
 from p2ptrain.diloco.rounds import Position
-from p2ptrain.finite import all_finite_many
-from p2ptrain.outer import add_error_feedback_, merge_, pseudo_gradient_
-from p2ptrain.swarm.progress import wait_until_stored
+from p2ptrain.outer import merge_, outer_step_
+from p2ptrain.swarm.progress import FORCED_STORE_WAIT_S, wait_until_stored
 
 logger = logging.getLogger("p2ptrain.diloco")
-
-FORCED_STORE_WAIT_S = 2.0
-"""how long a fragment's round waits (in its own thread) for this peer's record at the launch step to be stored"""
-
 
 @dataclass
 class FragmentRound:
@@ -58,16 +53,14 @@ class StreamingMixin:
     """The streaming half of ``DiLoCoOptimizer``: it uses the optimizer's plan, rounds, averager and tensors."""
 
     def _init_streaming(self) -> None:
-        fragments = self.plan.fragments
         self._in_flight: Optional[FragmentRound] = None
-        self._fragment_samples = [0] * fragments  # samples behind each fragment's next pseudo-gradient
-        self._fragment_steps = [0] * fragments  # inner steps behind it (the norm check's scale)
-        self._phase = PhaseLog()
+        self._reset_fragment_counters()
 
     def _reset_fragment_counters(self) -> None:
-        """After the state was taken or loaded: the next pseudo-gradients hold only the steps from here."""
-        self._fragment_samples = [0] * self.plan.fragments
-        self._fragment_steps = [0] * self.plan.fragments
+        """At the start, and after the state was taken or loaded: the next pseudo-gradients hold only the steps from
+        here."""
+        self._fragment_samples = [0] * self.plan.fragments  # samples behind each fragment's next pseudo-gradient
+        self._fragment_steps = [0] * self.plan.fragments  # inner steps behind it (the norm check's scale)
         self._phase = PhaseLog()
 
     # ------------------------------------------------------------------------------------------ the schedule
@@ -82,7 +75,21 @@ class StreamingMixin:
 
     def _apply_step_of(self, round_: FragmentRound) -> int:
         """The local step at which ``round_``'s fragment is applied."""
-        return round_.local_step - self.plan.launch_at(round_.fragment) + self.plan.apply_at(round_.fragment)
+        return self._apply_step(round_.fragment, round_.local_step)
+
+    def _apply_step(self, fragment: int, launched_at: int) -> int:
+        """The local step at which ``fragment``'s round launched at ``launched_at`` is applied."""
+        return launched_at - self.plan.launch_at(fragment) + self.plan.apply_at(fragment)
+
+    def _fragment_position(self, fragment: int, launched_at: int, samples: int, norm_scale: float) -> Position:
+        """What a round of ``fragment`` launched at ``launched_at`` plans from and tells its group."""
+        return Position(
+            outer_step=self.outer_step, local_step=launched_at, phase_started=self._phase_started,
+            last_group=self._last_group, fragment=fragment, fragments=self.plan.fragments,
+            applied_by=self._apply_step(fragment, launched_at),
+            gather={"outer_step": self.outer_step, "samples": samples, "fragment": fragment, "norm_scale": norm_scale,
+                    "digest": _digest_of(self.global_params[i] for i in self.plan.tensors[fragment])},
+        )
 
     def _streaming_after_step(self) -> None:
         """After an inner step (local_step already counted, the launch due at it done under the state lock): apply
@@ -112,30 +119,11 @@ class StreamingMixin:
             logger.error(f"{self._tag()} fragment {self._in_flight.fragment}'s round is still in flight at fragment "
                          f"{fragment}'s launch; skipping fragment {fragment}'s round")
             return
-        indices = self.plan.tensors[fragment]
-        diverged = False
-        with self.averager.get_tensors() as all_buffers:
-            buffers = [all_buffers[i] for i in indices]
-            pseudo_gradient_(buffers, [self.global_params[i] for i in indices], [self.params[i] for i in indices])
-            if not all_finite_many(buffers):
-                diverged = True
-                for buffer in buffers:
-                    buffer.zero_()
-                logger.error(f"{self._tag()} fragment {fragment}'s pseudo-gradient has NaN/inf values (local "
-                             "training diverged); it joins the round with weight 0 and takes the group's average")
-            elif self._residuals is not None:
-                add_error_feedback_(buffers, [self._residuals[i] for i in indices], self.averager.codec,
-                                    self.averager.part_size_bytes)
+        diverged = self._fill_pseudo_gradient(self.plan.tensors[fragment], f"fragment {fragment}'s pseudo-gradient")
         steps = max(1, min(self._fragment_steps[fragment], self.local_steps))
         weight = 0.0 if diverged else float(max(self._fragment_samples[fragment], 1))
-        position = Position(
-            outer_step=self.outer_step, local_step=self.local_step, phase_started=self._phase_started,
-            last_group=self._last_group, fragment=fragment, fragments=self.plan.fragments,
-            applied_by=self.local_step - self.plan.launch_at(fragment) + self.plan.apply_at(fragment),
-            gather={"outer_step": self.outer_step, "samples": self._fragment_samples[fragment],
-                    "digest": _digest_of(self.global_params[i] for i in indices), "fragment": fragment,
-                    "norm_scale": self.local_steps / steps},
-        )
+        position = self._fragment_position(fragment, self.local_step, self._fragment_samples[fragment],
+                                           norm_scale=self.local_steps / steps)
         self._fragment_samples[fragment] = 0
         self._fragment_steps[fragment] = 0
         stored = self._publish_progress(force=True, wait=False)  # the others see us at this launch step
@@ -166,13 +154,7 @@ class StreamingMixin:
         with self.averager.get_tensors() as all_buffers:
             for i in indices:
                 all_buffers[i].zero_()
-        position = Position(
-            outer_step=self.outer_step, local_step=launched_at, phase_started=self._phase_started,
-            last_group=self._last_group, fragment=fragment, fragments=self.plan.fragments,
-            applied_by=launched_at - self.plan.launch_at(fragment) + self.plan.apply_at(fragment),
-            gather={"outer_step": self.outer_step, "samples": 0, "fragment": fragment, "norm_scale": 1.0,
-                    "digest": _digest_of(self.global_params[i] for i in indices)},
-        )
+        position = self._fragment_position(fragment, launched_at, samples=0, norm_scale=1.0)
         logger.info(f"{self._tag()} the donors were in fragment {fragment}'s round: joining it with weight 0")
         with self._state_lock:
             self._start_round(FragmentRound(fragment, launched_at, 0.0), position)
@@ -224,11 +206,8 @@ class StreamingMixin:
             self._in_flight = None  # under the lock: a donor's snapshot sees the round in flight or applied
             self._apply_lr_schedules()
             globals_ = [self.global_params[i] for i in indices]
-            for g, i in zip(globals_, indices):
-                g.grad = all_buffers[i]
-            self.outer_optimizer.step()  # SGD steps only the tensors with a gradient: this fragment's
-            for g in globals_:
-                g.grad = None
+            # SGD steps only the tensors given a gradient: this fragment's (the others' momentum stays as it is)
+            outer_step_(self.outer_optimizer, globals_, [all_buffers[i] for i in indices])
             merge_([self.params[i] for i in indices], globals_, alpha)
             last = fragment == self.plan.fragments - 1
             if last:

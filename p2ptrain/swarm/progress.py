@@ -137,6 +137,11 @@ def check_run_settings(mine: dict, records: List[PeerProgress], run_id: str) -> 
                           "run's model and settings, or under another --run-id")
 
 
+FORCED_STORE_WAIT_S = 2.0
+"""how long a forced progress record (a peer's first, a sync point or a fragment's launch, a commit) is waited for
+before the peer goes on"""
+
+
 def wait_until_stored(stored, timeout_s: float) -> None:
     """Wait at most ``timeout_s`` for a record's store (``ProgressPublisher.publish``'s future); a slow or failed
     store is left to the heartbeat, which stores the record again."""
