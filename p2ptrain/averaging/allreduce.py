@@ -49,6 +49,9 @@ from p2ptrain.finite import all_finite
 
 logger = get_logger(__name__)
 
+HANG_UP_TIMEOUT_S = 60.0
+"""how long a reducer holds a sender's stream open after its last average when no ``reducer_timeout`` is set"""
+
 
 class ExactAllReduceRunner(AllReduceRunner):
     """An ``AllReduceRunner`` whose outputs are the (rounded) averages themselves, identical on every peer.
@@ -119,11 +122,25 @@ class ExactAllReduceRunner(AllReduceRunner):
         return False
 
     async def rpc_aggregate_part(self, stream, context):
+        """Reducer side of a sender's stream. Once every average of our range is out, the stream stays open until
+        the sender hangs up (it does once it holds them all: ``_communicate_with_remote_reducer``), at most
+        ``reducer_timeout``. A reducer that ended the stream itself raced its last average: on a slow link the
+        sender sometimes never got it (most likely p2pd resets the libp2p stream once the handler's socket closes,
+        dropping what is still queued), failed the round ("sent 13 parts, but we expected 14") and took the state,
+        while the others committed it. Seen in CI and in 1 of every 8-50 fragment rounds of the WAN benchmark with
+        streaming; none in 63 since."""
         self._streams_open += 1
         self._senders_served.clear()
+        answered = 0
         try:
             async for message in super().rpc_aggregate_part(stream, context):
+                answered += message.code == averaging_pb2.AVERAGED_PART
                 yield message
+            if answered == self.tensor_part_reducer.num_parts:
+                # the sender's hang-up cancels this wait (hivemind's stream handler sees the end of its input)
+                await asyncio.sleep(self.reducer_timeout or HANG_UP_TIMEOUT_S)
+                logger.warning(f"Sender {context.remote_id} did not hang up after taking every average of this "
+                               "reducer's range; closing its stream")
         finally:
             self._streams_open -= 1
             if not self._streams_open:
@@ -182,6 +199,7 @@ class ExactAllReduceRunner(AllReduceRunner):
 
             part_index = 0
             expected_shapes = self._part_shapes_by_peer[peer_index]
+            expected = self.tensor_part_container.num_parts_by_peer[peer_index]
 
             def _try_deserialize(msg):
                 if msg.code != averaging_pb2.AVERAGED_PART:
@@ -192,30 +210,33 @@ class ExactAllReduceRunner(AllReduceRunner):
                     logger.warning(f"Reducer {peer_id} answered with an average that does not decode: {e}")
                     raise AllreduceException(f"{peer_id} sent an average that does not decode") from e
 
-            async for average in amap_in_executor(
+            answers = amap_in_executor(
                 _try_deserialize,
                 aiter_with_timeout(stream, self.reducer_timeout),
                 max_prefetch=self.tensor_part_container.prefetch,
-            ):
-                if part_index >= len(expected_shapes) or average.shape != expected_shapes[part_index]:
-                    problem = f"an average of shape {tuple(average.shape)} for part #{part_index}"
-                else:
-                    own = own_input_part(self.tensor_part_container, peer_index, part_index)
-                    with self.clock("checks"):
-                        problem = self._check_values(("sent", peer_index, part_index), average, own,
-                                                     f"an average for part #{part_index}")
-                if problem:
-                    logger.warning(f"Reducer {peer_id} returned {problem}; not applying its range")
-                    self._on_bad_peer(peer_id, f"as a reducer it returned {problem}")
-                    raise AllreduceException(f"{peer_id} returned {problem}")
-                self.tensor_part_container.register_processed_part(peer_index, part_index, average)
-                part_index += 1
+            )
+            try:
+                async for average in answers:
+                    if part_index >= len(expected_shapes) or average.shape != expected_shapes[part_index]:
+                        problem = f"an average of shape {tuple(average.shape)} for part #{part_index}"
+                    else:
+                        own = own_input_part(self.tensor_part_container, peer_index, part_index)
+                        with self.clock("checks"):
+                            problem = self._check_values(("sent", peer_index, part_index), average, own,
+                                                         f"an average for part #{part_index}")
+                    if problem:
+                        logger.warning(f"Reducer {peer_id} returned {problem}; not applying its range")
+                        self._on_bad_peer(peer_id, f"as a reducer it returned {problem}")
+                        raise AllreduceException(f"{peer_id} returned {problem}")
+                    self.tensor_part_container.register_processed_part(peer_index, part_index, average)
+                    part_index += 1
+                    if part_index == expected:
+                        break  # all of its range: hang up now, the reducer holds the stream open until we do
+            finally:
+                await answers.aclose()  # closes the stream under it: our hang-up
 
-            if part_index != self.tensor_part_container.num_parts_by_peer[peer_index]:
-                raise AllreduceException(
-                    f"peer {peer_id} sent {part_index} parts, but we expected "
-                    f"{self.tensor_part_container.num_parts_by_peer[peer_index]}"
-                )
+            if part_index != expected:
+                raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected {expected}")
         except BaseException as e:
             if isinstance(e, Exception):
                 # the range this reducer owes us keeps our own values: say why, so a one-sided round is explained
@@ -305,6 +326,16 @@ class ExactAllReduceRunner(AllReduceRunner):
             return (f"{what} with norm {norm:.4g}, more than {self._max_norm_ratio:g}x our own {own_norm:.4g} over "
                     "the same range")
         return ""
+
+    async def _ban_sender(self, peer_id: PeerID):
+        """Leave a sender out of the rest of this round's sums (it failed, timed out or sent a bad part): say so, with
+        how far it got. Its stream of averages then ends short, and its round fails while the others commit."""
+        index = self.sender_peer_ids.index(peer_id)
+        if peer_id not in self.banned_senders and not self.tensor_part_reducer.finished.is_set():
+            logger.warning(f"Leaving sender {peer_id} out of the rest of this round after "
+                           f"{self.tensor_part_reducer.num_parts_received[index]} of its "
+                           f"{self.tensor_part_reducer.num_parts} parts")
+        await super()._ban_sender(peer_id)
 
     def finalize(self, **kwargs):
         super().finalize(**kwargs)

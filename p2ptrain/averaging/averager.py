@@ -65,12 +65,14 @@ class IncompleteRoundError(AllreduceException):
     """A group formed but the round did not finish on every part (a member died or timed out mid-round)."""
 
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """What peers must agree on beyond the codec to average together; bumped when a round's meaning changes.
 2: digests of the global parameters are sha256 (they were blake2b). 3: join requests carry an admission token,
 records about a peer are signed, parts are checked against the reducer's own norm. 4: reducers stream averages to
 client-mode senders at once (no delayed results), and join requests carry the weight. 5: digests are xxh3-128
-(records._digest_of)."""
+(records._digest_of). 6: a sender hangs up on a reducer once it holds every average of that reducer's range, and
+the reducer holds the stream open until then (``ExactAllReduceRunner.rpc_aggregate_part``): with 5's peers each
+side would wait for the other until a timeout."""
 
 SERVE_SENDERS_TIMEOUT_S = 15.0
 """how long a reducer that has its own result waits for the other senders to take their last averages"""

@@ -221,3 +221,48 @@ def test_a_leaving_peer_waits_until_the_other_members_of_its_last_round_have_com
     finally:
         for _, opt in peers:
             opt.close()
+
+
+def test_every_sender_hangs_up_on_its_reducers_once_it_holds_their_averages(dhts):
+    """Protocol 6: a reducer holds each sender's stream open after its last average until the sender hangs up
+    (ExactAllReduceRunner.rpc_aggregate_part), because a reducer that closed first could lose that average in the
+    daemons' reset on a slow link. So the senders must hang up by themselves: if they did not, every round would end
+    only when the reducers gave up on them (their reducer_timeout, 40 s here), not in about a second."""
+    from hivemind.utils import get_dht_time
+
+    from p2ptrain.averaging.averager import PseudoGradientAverager, RoundResult
+
+    nodes = dhts(3)
+    values = 3 * 2**19  # fp16 on the wire: 3 MiB in 512 KiB parts, two parts per reducer
+    averagers = [PseudoGradientAverager([torch.full((values,), float(i))], node, prefix="hangup_diloco",
+                                        compression="fp16", min_group_size=3, target_group_size=3,
+                                        min_matchmaking_time=2.0, request_timeout=2.0, allreduce_timeout=60.0,
+                                        next_chunk_timeout=20.0, shutdown_timeout=5)
+               for i, node in enumerate(nodes)]
+    try:
+        for averager in averagers:
+            averager.start_in_background(timeout_s=30)
+        for round_index in range(3):
+            results, seconds = {}, {}
+
+            def step(i: int, averager) -> None:
+                averager.set_group_bits(f"{round_index:08b}")
+                averager.set_round_plan(window_s=4.0, target_group_size=3)
+                control = averager.step(gather={"i": i}, weight=1.0, scheduled_time=get_dht_time() + 4.0,
+                                        timeout=60.0, allow_retries=False, wait=False)
+                results[i] = control.result(timeout=90.0)
+                seconds[i] = results[i].allreduce_s
+
+            run_threads(*(partial(step, i, a) for i, a in enumerate(averagers)))
+            assert all(isinstance(r, RoundResult) and r.group_size == 3 for r in results.values()), results
+            # from the group's forming to every peer's result: the wire and the codec, no reducer left waiting
+            assert max(seconds.values()) < 10.0, seconds
+        tensors = []
+        for averager in averagers:
+            with averager.get_tensors() as (tensor,):
+                tensors.append(tensor.clone())
+        assert all(torch.equal(t, tensors[0]) for t in tensors)  # bit-identical, every round averaged by all three
+        assert torch.allclose(tensors[0], torch.full((values,), 1.0))
+    finally:
+        for averager in averagers:
+            averager.shutdown()
