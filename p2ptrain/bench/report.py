@@ -36,8 +36,8 @@ def write_report(results: List[Dict], out: Path, environment: Dict) -> Path:
         "",
         "| configuration | params | payload MiB | MiB/peer/sync | x butterfly | sync s | bound s | x bound | "
         "matchmaking s | all-reduce s | waiting s | eval s | inner phase s | utilization | w/o waiting | "
-        "... or eval | bound allows | vs data-parallel | final eval loss |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "... or eval | bound allows | samples/s vs solo | vs data-parallel | final eval loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         per_sync = r["bytes_per_peer_per_sync"]
@@ -51,6 +51,7 @@ def write_report(results: List[Dict], out: Path, environment: Dict) -> Path:
             f"{_fmt(r['matchmaking_s'], '.2f')} | {_fmt(r['allreduce_s'], '.2f')} | {_fmt(r['waiting_s'], '.2f')} | "
             f"{_fmt(r.get('eval_s'), '.2f')} | {_fmt(r['inner_phase_s'], '.0f')} | {_fmt(util, '.1f', '%')} | "
             f"{_fmt(util_net, '.1f', '%')} | {_fmt(util_train, '.1f', '%')} | {_fmt(util_bound, '.1f', '%')} | "
+            f"{_fmt(r.get('throughput_vs_solo') and 100 * r['throughput_vs_solo'], '.1f', '%')} | "
             f"{_fmt(r['communication_reduction'], '.0f', 'x')} | {_fmt(r['final_eval_loss'], '.4f')} |"
         )
     nat = [r for r in results if r["config"].get("behind_nat")]
@@ -71,6 +72,9 @@ def write_report(results: List[Dict], out: Path, environment: Dict) -> Path:
         lines += ["", f"While waiting for a slower peer, a peer's link carried {max(chatter) / 1e3:.0f} kB/s at most "
                       "(matchmaking requests under no_group_policy=wait)."]
     lines += [
+        "",
+        "samples/s vs solo: the samples per second entering all the peers' models, over the sum of each peer's "
+        "own rate at the inner-step time it measured here (what it would train alone on its share of this host).",
         "",
         "vs data-parallel: bytes one peer would send for the same inner steps with one fp32 all-reduce of the "
         "gradients per step (computed: steps x 2(n-1)/n x 4 bytes x parameters), over the bytes it sent here.",

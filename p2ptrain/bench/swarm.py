@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import time
 from dataclasses import asdict, dataclass
@@ -173,9 +174,13 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
     # when each round's last member arrived: the time a peer spent before that is waiting for a slower peer, not
     # the cost of matchmaking or of the network
     arrivals: Dict[int, float] = {}
+    launches: Dict[tuple, float] = {}  # streaming: when each fragment round's last member launched it
     for report in reports:
         for r in report["rounds"]:
             arrivals[r["outer_step"]] = max(arrivals.get(r["outer_step"], 0.0), r["finished_at"] - r["seconds"])
+            for f in r.get("fragments", []):
+                key = (r["outer_step"], f["fragment"])
+                launches[key] = max(launches.get(key, 0.0), f.get("launched_at", 0.0))
     peers = []
     for host, report in enumerate(reports, 1):
         rounds = [r for r in report["rounds"] if r["averaged"] and not r["caught_up"]]
@@ -183,29 +188,42 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
         window = rounds[-1]["finished_at"] - rounds[0]["finished_at"] if steady else 0.0
         compute = rounds[-1]["compute_s"] - rounds[0]["compute_s"] if steady else 0.0
         per_round = []
-        for r in rounds:
+        for i, r in enumerate(rounds):
             started = r["finished_at"] - r["seconds"]
-            # a streaming phase's seconds are the ones its fragment rounds held training up, spread over the phase:
-            # there is no one arrival to wait for, and what it waited for is in those seconds
-            waiting = 0.0 if r.get("fragments") else \
-                min(max(arrivals[r["outer_step"]] - started, 0.0), r["seconds"] - r["allreduce_s"])
+            if r.get("fragments"):
+                # a streaming phase's seconds are the ones its fragment rounds held training up, spread over the
+                # phase: of a fragment's wait at its apply step, the part before its last member launched the
+                # round is waiting for a slower peer. Its bytes flow all through the phase
+                waiting = sum(min(f["waited_s"], max(launches[(r["outer_step"], f["fragment"])]
+                                                     - f.get("launched_at", 0.0), 0.0)) for f in r["fragments"])
+                traffic_from = rounds[i - 1]["finished_at"] if i else started
+            else:
+                waiting = min(max(arrivals[r["outer_step"]] - started, 0.0), r["seconds"] - r["allreduce_s"])
+                traffic_from = started + waiting
             entry = {"outer_step": r["outer_step"], "seconds": r["seconds"], "allreduce_s": r["allreduce_s"],
                      "waiting_s": waiting, "sync_s": r["seconds"] - waiting,
-                     "matchmaking_s": max(r["seconds"] - waiting - r["allreduce_s"], 0.0),
+                     # streaming: the fragment rounds' time before their all-reduce, in the background
+                     "matchmaking_s": sum(max(f["round_s"] - f["allreduce_s"], 0.0) for f in r["fragments"])
+                     if r.get("fragments") else max(r["seconds"] - waiting - r["allreduce_s"], 0.0),
                      "group_size": r["group_size"], "payload_sent": r["bytes_sent"],
                      "payload_received": r["bytes_received"], "eval_loss": r["eval_loss"],
                      "eval_s": r.get("eval_s", 0.0),
                      "finished_at": r["finished_at"]}
             if samples:
                 # the sync proper, from the last member's arrival; the chatter while waiting is counted apart
-                sent, received = bytes_between(samples, host, started + waiting, r["finished_at"])
+                sent, received = bytes_between(samples, host, traffic_from, r["finished_at"])
                 entry.update(wire_sent=sent, wire_received=received)
-                if waiting > 1.0:
+                if waiting > 1.0 and not r.get("fragments"):
                     idle_sent, idle_received = bytes_between(samples, host, started, started + waiting)
                     entry["waiting_bytes_per_s"] = (idle_sent + idle_received) / waiting
             per_round.append(entry)
         waited = sum(r["waiting_s"] for r in per_round[1:])
         evaluated = sum(r["eval_s"] for r in per_round[1:])
+        # samples per second into this peer's model, against what it would do alone at the step time it measured
+        # here (the median of its inner steps' seconds, on this host's share of the CPU, the throttle included)
+        trained = sum(r["samples"] for r in steady)
+        step_times = [r["step_s"] for r in steady if r.get("step_s")]
+        solo = cfg.batch_size / statistics.median(step_times) if step_times else None
         peers.append({
             "peer_id": report["peer_id"], "compute_utilization": compute / window if window else None,
             # without the time it waited for slower peers: what communication itself costs this peer
@@ -213,6 +231,7 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
             # ... and without the held-out eval after each round (monitoring, not training; 1 s on a CPU here)
             "utilization_without_waiting_or_eval": compute / (window - waited - evaluated)
             if window > waited + evaluated else None,
+            "throughput": trained / window if window else None, "solo_throughput": solo,
             "window_s": window, "compute_s": compute, "startup_s": report["startup_s"], "rounds": per_round,
             "initial_eval_loss": report["initial_eval_loss"], "final_eval_loss": report["final_eval_loss"],
             "train_started_at": report["train_started_at"], "reachability": report.get("reachability", ""),
@@ -258,6 +277,10 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
                                              if p["utilization_without_waiting"]]),
         "utilization_without_waiting_or_eval": mean([p["utilization_without_waiting_or_eval"] for p in peers
                                                      if p["utilization_without_waiting_or_eval"]]),
+        # the issue's figure for peers of different speeds: all samples entering the models, over the sum of the
+        # peers' own speeds (a slow peer that holds the others up, or whose work is thrown away, lowers it)
+        "throughput_vs_solo": sum(p["throughput"] for p in peers) / sum(p["solo_throughput"] for p in peers)
+        if peers and all(p["throughput"] and p["solo_throughput"] for p in peers) else None,
         "utilization_bound": (cfg.local_steps * step_s / (cfg.local_steps * step_s + bound_s))
         if step_s and bound_s else None,
         "inner_phase_s": cfg.local_steps * step_s if step_s else None,

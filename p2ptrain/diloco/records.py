@@ -101,7 +101,7 @@ class SyncRecord:
     """the shortest inner step among the other live peers' records then: a stride follows the ratio of the two"""
     fragments: List[dict] = field(default_factory=list)
     """streaming sync: each fragment's round in this phase (``StreamingMixin._finish``): fragment, averaged,
-    group_size, attempts, launched_at_step, applied_at_step, round_s, waited_s, blocked_s, allreduce_s, bytes_sent,
+    group_size, attempts, launched_at_step, applied_at_step, launched_at (wall clock), round_s, waited_s, blocked_s, allreduce_s, bytes_sent,
     bytes_received, weight, repaired. Empty for the blocking sync"""
 
     @classmethod

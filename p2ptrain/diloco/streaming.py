@@ -33,6 +33,8 @@ class FragmentRound:
     """the inner step at which its pseudo-gradient was taken"""
     weight: float
     launched: float = field(default_factory=time.perf_counter)
+    launched_at: float = field(default_factory=time.time)
+    """wall-clock time of the launch: the benchmark compares the members' (who waited for whom)"""
     thread: Optional[threading.Thread] = None
     outcome: Optional[RoundOutcome] = None
     ended: float = 0.0
@@ -226,6 +228,7 @@ class StreamingMixin:
         self._phase.fragments.append(dict(
             fragment=fragment, averaged=result is not None, group_size=result.group_size if result else 1,
             attempts=outcome.attempts, launched_at_step=round_.local_step, applied_at_step=self.local_step,
+            launched_at=round_.launched_at,
             round_s=round_.ended - round_.launched, waited_s=waited, blocked_s=blocked, repaired=repaired,
             allreduce_s=result.allreduce_s if result else 0.0, bytes_sent=result.bytes_sent if result else 0,
             bytes_received=result.bytes_received if result else 0, weight=round_.weight,
