@@ -39,7 +39,7 @@ from hivemind.compression import CompressionInfo
 from hivemind.p2p import PeerID, StubBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
+from hivemind.utils.asyncio import amap_in_executor, attach_event_on_finished
 
 from p2ptrain.hivemind_compat import own_input_part, own_input_part_shapes
 from p2ptrain.averaging.compression import WireCodec, WireFormatError
@@ -51,6 +51,10 @@ logger = get_logger(__name__)
 
 HANG_UP_TIMEOUT_S = 60.0
 """how long a reducer holds a sender's stream open after its last average when no ``reducer_timeout`` is set"""
+START_TIMEOUT_S = 30.0
+"""a member that has sent no part this long after the all-reduce began (or, as a reducer, answered none in twice
+that) is left out at once, not after ``sender_timeout``/``reducer_timeout``, which are sized for slow parts of a
+large model: it left the group as it formed (its matchmaking gave up while the leader counted it in) or died"""
 
 
 class ExactAllReduceRunner(AllReduceRunner):
@@ -166,6 +170,22 @@ class ExactAllReduceRunner(AllReduceRunner):
     def _get_peer_stub(self, peer: PeerID) -> StubBase:
         return _CountingStub(super()._get_peer_stub(peer), self)
 
+    def _start_timeout(self) -> float:
+        return min(self.sender_timeout or START_TIMEOUT_S, START_TIMEOUT_S)
+
+    async def _handle_missing_senders(self):
+        """hivemind's, with ``START_TIMEOUT_S`` instead of ``sender_timeout``: a member counted into the group that
+        never runs the round (seen in the WAN benchmark: its matchmaking attempt ended as the leader formed the group)
+        held the others for ``sender_timeout`` (300 s there), then again for ``reducer_timeout`` on its range."""
+        try:
+            await asyncio.wait_for(self.all_senders_started.wait(), self._start_timeout())
+        except asyncio.TimeoutError:
+            for peer_id in self.sender_peer_ids:
+                if peer_id not in self.active_senders and peer_id not in self.banned_senders:
+                    logger.warning(f"Group member {peer_id} sent nothing {self._start_timeout():.0f}s into the "
+                                   "all-reduce: going on without it")
+                    await self._ban_sender(peer_id)
+
     async def _communicate_with_peer(self, peer_id: PeerID):
         if peer_id != self.peer_id:
             return await self._communicate_with_remote_reducer(peer_id)
@@ -210,9 +230,14 @@ class ExactAllReduceRunner(AllReduceRunner):
                     logger.warning(f"Reducer {peer_id} answered with an average that does not decode: {e}")
                     raise AllreduceException(f"{peer_id} sent an average that does not decode") from e
 
+            # a reducer that runs the round answers its first part within the start timeout (it leaves out a sender
+            # that sent nothing by then) plus one part's way: one that does not is not running it
+            first_answer_s = 2 * self._start_timeout()
+            if self.reducer_timeout is not None:
+                first_answer_s = min(first_answer_s, self.reducer_timeout)
             answers = amap_in_executor(
                 _try_deserialize,
-                aiter_with_timeout(stream, self.reducer_timeout),
+                _aiter_with_timeouts(stream, first_answer_s, self.reducer_timeout),
                 max_prefetch=self.tensor_part_container.prefetch,
             )
             try:
@@ -340,6 +365,19 @@ class ExactAllReduceRunner(AllReduceRunner):
     def finalize(self, **kwargs):
         super().finalize(**kwargs)
         self._serialized_averages.clear()
+
+
+async def _aiter_with_timeouts(iterable, first_s: Optional[float], next_s: Optional[float]):
+    """hivemind's ``aiter_with_timeout``, with a timeout of its own for the first item."""
+    iterator = iterable.__aiter__()
+    timeout = first_s
+    while True:
+        try:
+            item = await asyncio.wait_for(iterator.__anext__(), timeout=timeout)
+        except StopAsyncIteration:
+            break
+        yield item
+        timeout = next_s
 
 
 class _Reducer(TensorPartReducer):

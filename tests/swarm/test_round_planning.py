@@ -3,6 +3,7 @@ hivemind DHTs on 127.0.0.1, each driven from its own thread, some of them slower
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from functools import partial
@@ -263,6 +264,68 @@ def test_every_sender_hangs_up_on_its_reducers_once_it_holds_their_averages(dhts
                 tensors.append(tensor.clone())
         assert all(torch.equal(t, tensors[0]) for t in tensors)  # bit-identical, every round averaged by all three
         assert torch.allclose(tensors[0], torch.full((values,), 1.0))
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+
+
+def test_a_member_counted_into_the_group_that_never_runs_the_round_costs_seconds_not_the_timeouts(dhts, monkeypatch):
+    """The WAN benchmark stalled 10 minutes: one member's matchmaking gave up as the leader counted it into the group,
+    so it never ran the round, and the others waited for its parts (sender_timeout, 300 s there) and then for its
+    range (reducer_timeout). A member that sends nothing START_TIMEOUT_S into the all-reduce is left out, and one
+    that answers no part of its range in twice that is a failed reducer: the honest members' round fails fast,
+    names the deserter (the host re-runs it without it) and leaves their tensors as they were."""
+    from hivemind.utils import get_dht_time
+
+    from p2ptrain.averaging import allreduce
+    from p2ptrain.averaging.averager import PseudoGradientAverager
+
+    nodes = dhts(3)
+    deserter_id = nodes[2].peer_id
+    run_allreduce = PseudoGradientAverager._run_allreduce_inplace_
+
+    async def deserting(self, *args, **kwargs):
+        if self.peer_id == deserter_id:  # in the group, but never runs its all-reduce (nor answers as a reducer)
+            await asyncio.sleep(3600)
+        return await run_allreduce(self, *args, **kwargs)
+
+    # the averager processes fork from here and keep both
+    monkeypatch.setattr(PseudoGradientAverager, "_run_allreduce_inplace_", deserting)
+    monkeypatch.setattr(allreduce, "START_TIMEOUT_S", 3.0)
+    values = 3 * 2**19  # fp16 on the wire: 3 MiB in 512 KiB parts, a range for every member, the deserter's too
+    averagers = [PseudoGradientAverager([torch.full((values,), float(i))], node, prefix="desert_diloco",
+                                        compression="fp16", min_group_size=3, target_group_size=3,
+                                        min_matchmaking_time=2.0, request_timeout=2.0, allreduce_timeout=300.0,
+                                        next_chunk_timeout=100.0, shutdown_timeout=5)
+                 for i, node in enumerate(nodes)]
+    try:
+        for averager in averagers:
+            averager.start_in_background(timeout_s=30)
+            averager.set_group_bits("00000001")
+            averager.set_round_plan(window_s=4.0, target_group_size=3)
+        outcomes = {}
+        scheduled = get_dht_time() + 4.0
+
+        def step(i: int) -> None:
+            started = time.monotonic()
+            control = averagers[i].step(gather={"i": i}, weight=1.0, scheduled_time=scheduled, timeout=300.0,
+                                        allow_retries=False, wait=False)
+            if i == 2:
+                return  # the deserter's step never ends: not waited for
+            try:
+                outcomes[i] = control.result(timeout=60.0)
+            except Exception as e:
+                outcomes[i] = e
+            outcomes[i, "s"] = time.monotonic() - started
+
+        run_threads(partial(step, 0), partial(step, 1), partial(step, 2))
+        deserter = averagers[2].peer_id.to_base58()
+        for i in (0, 1):
+            assert isinstance(outcomes[i], Exception), outcomes  # nothing applied: the round was not complete
+            assert outcomes[i, "s"] < 30.0, outcomes  # the start timeouts (3 s, 6 s), not 100-300 s
+            assert deserter in averagers[i].last_failed_members, (averagers[i].last_failed_members, outcomes)
+            with averagers[i].get_tensors() as (tensor,):
+                assert torch.equal(tensor, torch.full((values,), float(i)))
     finally:
         for averager in averagers:
             averager.shutdown()
