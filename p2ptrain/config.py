@@ -143,10 +143,16 @@ class DiLoCoConfig:
     """streaming sync with overlap_steps > 0: when a fragment's average is applied, the share of the model's own
     values of it (trained on during the overlap) kept: local = alpha x local + (1 - alpha) x global (the Streaming
     DiLoCo paper's mixing factor, 0.5; 0 drops the overlap's local progress), at most 1"""
+    max_extra_steps: Optional[int] = setting(None, at_least=0)
+    """streaming sync: when a fragment's round is still running at its apply step (a peer of the group launched it
+    later), take up to this many inner steps per phase beyond the schedule instead of idling; they do not move the
+    local step (the swarm's clock) and their samples weigh in this peer's next pseudo-gradients. Unset: local_steps
+    // 2; 0: wait for the round"""
     adaptive_steps: bool = True
-    """a worker persistently slower than the fastest live peer (an inner step 1.75x as long or more) takes fewer inner
-    steps per phase (its local step advances by a stride), so it reaches each sync with the others instead of
-    holding them up or being left out; its pseudo-gradient is weighted by the samples it trained on"""
+    """a worker persistently slower than the fastest live peer (an inner step 1.15x as long or more) takes fewer inner
+    steps per phase, H over that ratio (its local step advances by 1 or 2 or more a step), so it reaches each sync
+    with the others instead of holding them up or being left out; its pseudo-gradient is weighted by the samples it
+    trained on"""
     matchmaking_time_s: float = setting(5.0, above=0)
     """seconds a round looks for peers beyond those the live peers' progress records announce (a round whose
     announced peers are all in starts at once); raise it on slow links or if groups split"""

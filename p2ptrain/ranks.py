@@ -160,6 +160,7 @@ def _optimizer_factories(cfg: RunConfig, dht, publisher: Optional[ProgressPublis
         fragments=diloco_cfg.fragments,
         overlap_steps=diloco_cfg.overlap_steps,
         merge_alpha=diloco_cfg.merge_alpha,
+        max_extra_steps=diloco_cfg.max_extra_steps,
         adaptive_steps=diloco_cfg.adaptive_steps,
     )
     return inner, make_diloco

@@ -81,10 +81,13 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
       applied (tau); at most ``local_steps // fragments - 1``. ``fragments=1, overlap_steps=0``: the blocking sync
     :param merge_alpha: streaming sync with overlap: the share of the model's own values of a fragment kept when its
       average is applied (``local = alpha * local + (1 - alpha) * global``)
-    :param adaptive_steps: a peer persistently slower than the fastest live peer (its inner step takes 1.75x or
-      more) takes fewer inner steps per phase, advancing its local step by a stride per step (``p2ptrain/pace.py``),
-      so it reaches each sync with the others; its pseudo-gradient weighs the samples it trained on. Needs the
-      swarm watched (``catch_up_mid_phase``)
+    :param max_extra_steps: streaming sync: inner steps per phase a peer may take beyond the schedule while a
+      fragment's round it must apply is still running (another member launched it later), instead of idling; they do
+      not move ``local_step``. None: ``local_steps // 2``; 0: wait
+    :param adaptive_steps: a peer persistently slower than the fastest live peer (its inner step takes 1.15x or
+      more) takes fewer inner steps per phase, H over that ratio, spreading the phase's local steps over them
+      (``p2ptrain/pace.py``), so it reaches each sync with the others; its pseudo-gradient weighs the samples it
+      trained on. Needs the swarm watched (``catch_up_mid_phase``)
 
     Learning-rate schedules: the base LR of a param group is its ``lr`` when the schedule first sees it, kept as
     ``group["initial_lr"]`` (as torch's LR schedulers do, so it is in checkpoints too). A schedule's LR is a pure
@@ -124,6 +127,7 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
         fragments: int = 1,
         overlap_steps: int = 0,
         merge_alpha: float = DEFAULT_MERGE_ALPHA,
+        max_extra_steps: Optional[int] = None,
         adaptive_steps: bool = True,
     ):
         _check_arguments(local_steps=local_steps, no_group_policy=no_group_policy,
@@ -146,6 +150,7 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
         self.outer_optimizer = outer_optimizer(self.global_params)
         self.plan = FragmentPlan.build([g.numel() for g in self.global_params], local_steps, fragments,
                                        overlap_steps, merge_alpha)
+        self.max_extra_steps = local_steps // 2 if max_extra_steps is None else max_extra_steps
         self.inner_lr_schedule, self.outer_lr_schedule = inner_lr_schedule, outer_lr_schedule
 
         self.dht, self.run_id = dht, run_id
@@ -254,18 +259,22 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
         """One inner step; every ``local_steps`` inner steps, also a sync. Returns what the closure returned."""
         self._require_started()
         samples = batch_size if batch_size is not None else (self.batch_size or 1)
-        if self.plan.streaming:
-            self._finish_overdue()
+        # streaming: an extra inner step while a round late at its apply step runs (it does not move local_step)
+        extra = self.plan.streaming and self._finish_overdue()
         with self._state_lock:
             self._apply_lr_schedules()  # local_step may have jumped since the last step (a catch-up)
             loss = self.inner_optimizer.step(closure)
             stepped = time.perf_counter()
             if self._last_step_end is not None:  # this inner step's time: forward, backward, data, the update
                 self.pace.record_step(stepped - self._last_step_end)
-            advance = self.pace.advance(self.local_step)
-            self.local_step += 1
-            if self.plan.streaming:  # a fragment's round starts here, under the lock: a donor sees it all or none
-                self._launch_due(samples, real=True)
+            if extra:
+                advance = 0
+                self._count_step(samples, real=True)
+            else:
+                advance = self.pace.advance(self.local_step)
+                self.local_step += 1
+                if self.plan.streaming:  # a fragment's round starts here, under the lock: a donor sees it all or none
+                    self._launch_due(samples, real=True)
         self.samples_since_sync += samples
         self._steps_since_sync += 1
         self.throughput.samples += samples
@@ -278,7 +287,7 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
                     self._launch_due(0, real=False)
         self._serve_snapshot_request()  # a donor snapshot asked for since the last step: copy it now, on this core
         if self.plan.streaming:
-            self._streaming_after_step()
+            self._streaming_after_step(may_defer=True)
         if self.plan.streaming and self._in_flight is not None:
             self._publish_progress()
         elif not self.plan.streaming and self.local_step % self.local_steps == 0:
@@ -476,10 +485,10 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
         progress record."""
         record.inner_steps, record.stride = self._steps_since_sync, self.pace.stride
         record.step_s, record.fastest_step_s = self.pace.step_s, self.progress.fastest_step_s
-        stride = self.pace.update(record.step_s, record.fastest_step_s)
-        if stride != record.stride:
+        steps_before = self.pace.steps
+        if self.pace.update(record.step_s, record.fastest_step_s) != steps_before:
             logger.info(f"{self._tag()} an inner step here takes {self.pace.ratio or 0:.2f}x the fastest live peer's: "
-                        f"{-(-self.local_steps // stride)} inner steps per phase from now on (stride {stride})")
+                        f"{self.pace.steps} inner steps per phase from now on (stride {self.pace.stride:g})")
         record.log(logger, self._tag())
         self.history.append(record)
         self._phase_started = time.monotonic()

@@ -93,16 +93,20 @@ class SyncRecord:
     and waited (for rounds still running at their apply step)"""
     inner_steps: int = 0
     """inner steps this peer took in the phase (fewer than local_steps with a stride, ``stride``)"""
-    stride: int = 1
-    """the local steps one inner step counted for in the phase: above 1 for a slow peer (p2ptrain/pace.py)"""
+    extra_steps: int = 0
+    """streaming sync: of ``inner_steps``, those taken beyond the schedule while a round late at its apply step ran
+    (they do not move the local step)"""
+    stride: float = 1.0
+    """the local steps one inner step counted for in the phase, on average: above 1 for a slow peer, which spreads
+    the phase's local steps over fewer inner steps (p2ptrain/pace.py)"""
     step_s: Optional[float] = None
     """the median seconds of this peer's recent inner steps at the sync's end (what it publishes for the pace)"""
     fastest_step_s: Optional[float] = None
     """the shortest inner step among the other live peers' records then: a stride follows the ratio of the two"""
     fragments: List[dict] = field(default_factory=list)
     """streaming sync: each fragment's round in this phase (``StreamingMixin._finish``): fragment, averaged,
-    group_size, attempts, launched_at_step, applied_at_step, launched_at (wall clock), round_s, waited_s, blocked_s, allreduce_s, bytes_sent,
-    bytes_received, weight, repaired. Empty for the blocking sync"""
+    group_size, attempts, launched_at_step, applied_at_step, launched_at (wall clock), round_s, waited_s, blocked_s,
+    allreduce_s, bytes_sent, bytes_received, weight, repaired. Empty for the blocking sync"""
 
     @classmethod
     def of(cls, result: Optional[RoundResult], **fields) -> "SyncRecord":

@@ -39,6 +39,11 @@ class FragmentRound:
     outcome: Optional[RoundOutcome] = None
     ended: float = 0.0
     """perf_counter when the round's outcome was known"""
+    deferred: bool = False
+    """its apply step came while it still ran, and this peer trains on (extra inner steps) until it ends"""
+
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
 
 
 @dataclass
@@ -47,6 +52,8 @@ class PhaseLog:
 
     blocked_s: float = 0.0
     """seconds the training thread spent on the sync this phase: taking pseudo-gradients, waiting, applying"""
+    extra_steps: int = 0
+    """inner steps taken beyond the schedule while a round late at its apply step ran"""
     attempts: int = 0
     fragments: List[dict] = field(default_factory=list)
 
@@ -67,13 +74,27 @@ class StreamingMixin:
 
     # ------------------------------------------------------------------------------------------ the schedule
 
-    def _finish_overdue(self) -> None:
-        """Apply a round in flight whose apply step this peer is already at or past: one it joined after taking the
-        state, or one whose apply step a skip of inner steps passed (``_fast_forward``). Called by ``step()`` before
-        the inner step, outside the state lock."""
+    def _finish_overdue(self) -> bool:
+        """Called by ``step()`` before the inner step, outside the state lock. True: a round deferred at its apply
+        step is in flight, and this inner step is an extra one (it does not move ``local_step``), at whose end the
+        round is applied if it ended by then (``_streaming_after_step``). Otherwise apply a round in flight whose
+        apply step this peer is already at or past: one it joined after taking the state, or one whose apply step a
+        skip of inner steps passed (``_fast_forward``)."""
         round_ = self._in_flight
+        if round_ is not None and round_.deferred:
+            self._phase.extra_steps += 1
+            return True
         if round_ is not None and self.local_step >= self._apply_step_of(round_):
             self._finish(round_.fragment)
+        return False
+
+    def _may_train_on(self, round_: FragmentRound) -> bool:
+        """Whether this peer, at ``round_``'s apply step with the round still running, takes another inner step
+        instead of waiting: the round's other members launched it later (unequal speeds, CPU noise), and idling
+        here until they are through is the time a streaming sync loses. At most ``max_extra_steps`` a phase, so a
+        peer's pseudo-gradient stays near the others' in size (the norm check) and a stalled round still ends."""
+        return (round_.running() and self._phase.extra_steps < self.max_extra_steps
+                and not self._interrupted.is_set())
 
     def _apply_step_of(self, round_: FragmentRound) -> int:
         """The local step at which ``round_``'s fragment is applied."""
@@ -93,20 +114,35 @@ class StreamingMixin:
                     "digest": _digest_of(self.global_params[i] for i in self.plan.tensors[fragment])},
         )
 
-    def _streaming_after_step(self) -> None:
+    def _streaming_after_step(self, may_defer: bool = False) -> None:
         """After an inner step (local_step already counted, the launch due at it done under the state lock): apply
-        the fragment due at this step."""
+        the fragment due at this step, or the deferred round in flight. With ``may_defer`` (the step's last local
+        step: nothing launches before the next inner step), a round still running is deferred instead of waited
+        for, while ``_may_train_on`` allows; it is applied at the end of the first extra step it has ended by."""
+        round_ = self._in_flight
+        if round_ is not None and round_.deferred:
+            if not self._may_train_on(round_):
+                self._finish(round_.fragment)
+            return
         fragment = self.plan.due(self.local_step, self.plan.apply_at)
-        if fragment is not None:
-            self._finish(fragment)
+        if fragment is None:
+            return
+        if may_defer and round_ is not None and round_.fragment == fragment and self._may_train_on(round_):
+            round_.deferred = True
+            return
+        self._finish(fragment)
 
-    def _launch_due(self, samples: int, real: bool = True) -> None:
-        """Count this step's samples (``real``: an inner step was taken, not a stride's skip, see pace.py), then start
-        the round of the fragment due at this local step, if one is. Called by ``step()`` under the state lock, so a
-        donor's snapshot sees the launch done or not started."""
+    def _count_step(self, samples: int, real: bool = True) -> None:
+        """Count an inner step's samples into every fragment's next pseudo-gradient (``real``: an inner step was
+        taken, not a stride's skip, see pace.py)."""
         for f in range(self.plan.fragments):
             self._fragment_samples[f] += samples
             self._fragment_steps[f] += int(real)
+
+    def _launch_due(self, samples: int, real: bool = True) -> None:
+        """Count this step's samples, then start the round of the fragment due at this local step, if one is. Called
+        by ``step()`` under the state lock, so a donor's snapshot sees the launch done or not started."""
+        self._count_step(samples, real)
         fragment = self.plan.due(self.local_step, self.plan.launch_at)
         if fragment is not None:
             self._launch(fragment)
@@ -248,7 +284,7 @@ class StreamingMixin:
             allreduce_s=sum(r["allreduce_s"] for r in rounds), repaired=any(r["repaired"] for r in rounds),
             phases={"blocked": phase.blocked_s, "rounds": sum(r["round_s"] for r in rounds),
                     "waited": sum(r["waited_s"] for r in rounds)},
-            fragments=rounds,
+            fragments=rounds, extra_steps=phase.extra_steps,
         )
         self._finish_record(record)
 

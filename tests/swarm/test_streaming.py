@@ -77,6 +77,7 @@ def test_streaming_peers_match_single_process_math(two_dhts, fragments, overlap)
     models, opts, snapshots = train_peers(
         two_dhts, compression="none", local_steps=local_steps, outer_steps=outer_steps,
         run_id=f"stream-{fragments}-{overlap}", fragments=fragments, overlap_steps=overlap, merge_alpha=0.5,
+        max_extra_steps=0,  # the replay's schedule exactly: no extra steps while a round is late
     )
     try:
         plan = opts[0].plan
@@ -110,7 +111,8 @@ def test_streaming_fp16_fragments_stay_bit_identical_and_send_a_fraction_each(tw
     each fragment's round moves about its share of the bytes (peak bandwidth down by about the fragment count)."""
     fragments = 2
     models, opts, snapshots = train_peers(two_dhts, compression="fp16", local_steps=6, outer_steps=3,
-                                          run_id="stream-fp16", fragments=fragments, overlap_steps=2)
+                                          run_id="stream-fp16", fragments=fragments, overlap_steps=2,
+                                          max_extra_steps=0)
     try:
         for a, b in zip(opts[0].global_params, opts[1].global_params):
             assert torch.equal(a, b)
@@ -123,6 +125,72 @@ def test_streaming_fp16_fragments_stay_bit_identical_and_send_a_fraction_each(tw
                 # the fragment, plus a few bytes of framing per part (this tiny model's parts are small)
                 assert size * 2 <= r["bytes_sent"] <= size * 2 * 1.25, (r, size)
             assert total * 2 <= sum(r["bytes_sent"] for r in record.fragments) <= total * 2 * 1.25
+    finally:
+        for opt in opts:
+            opt.close()
+
+
+def test_a_peer_trains_on_while_a_round_is_late_without_moving_the_swarms_clock(two_dhts):
+    """Peer 0 is fast, peer 1 sleeps 0.25 s a step: every fragment round starts only when peer 1 launches it, so
+    peer 0 reaches each apply step with the round still running. Instead of idling it takes extra inner steps, at
+    most max_extra_steps a phase, which do not move its local step: both peers sync at the same local steps, every
+    round averages both, and the global values stay the same bits on both. The extra steps' samples weigh in peer
+    0's pseudo-gradients (its weight in the rounds is above its scheduled steps' samples). The rounds that were not
+    late (none here) and the exact schedule are the replay tests' above, with max_extra_steps=0."""
+    import threading
+    import time
+
+    from p2ptrain import DiLoCoOptimizer
+    from tests.swarm.test_diloco_exact import make_model as model_of
+
+    local_steps, outer_steps, extra = 8, 3, 3
+    models = [model_of() for _ in two_dhts]
+    opts = [DiLoCoOptimizer(model.parameters(), dht=dht, run_id="stream-extra", local_steps=local_steps,
+                            inner_optimizer=INNER, outer_optimizer=OUTER, compression="fp16", matchmaking_time_s=3.0,
+                            averaging_timeout_s=30.0, batch_size=8, target_group_size=2, fragments=2,
+                            overlap_steps=1, max_extra_steps=extra, adaptive_steps=False).start()
+            for model, dht in zip(models, two_dhts)]
+    local_steps_seen = [set(), set()]
+    errors = []
+
+    def run(i: int) -> None:
+        try:
+            for x, y in batches(i, [8] * 200):
+                torch.nn.functional.mse_loss(models[i](x), y).backward()
+                opts[i].step(batch_size=len(x))
+                opts[i].zero_grad()
+                local_steps_seen[i].add(opts[i].local_step)
+                if i == 1:
+                    time.sleep(0.25)
+                if opts[i].outer_step >= outer_steps:
+                    return
+        except BaseException as e:  # surfaced in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=150)
+        assert not errors, errors
+        fast, slow = opts
+        for opt in opts:
+            assert opt.outer_step == outer_steps and opt.local_step == local_steps * outer_steps, opt.local_step
+            assert all(r.averaged and r.group_size == 2 for r in opt.history), opt.history
+        for a, b in zip(fast.global_params, slow.global_params):
+            assert torch.equal(a, b)
+        assert local_steps_seen[0] == local_steps_seen[1] == set(range(1, local_steps * outer_steps + 1))
+        # the fast peer trained on while rounds were late, never past its budget a phase (how many of its phases
+        # had a late round depends on this host's load: all of them, unloaded)
+        assert sum(r.extra_steps for r in fast.history) > sum(r.extra_steps for r in slow.history)
+        for opt in opts:
+            assert all(0 <= r.extra_steps <= extra for r in opt.history), [r.extra_steps for r in opt.history]
+            assert all(r.inner_steps == local_steps + r.extra_steps for r in opt.history[1:])
+        # a fragment's weight: the samples of the inner steps since its last launch, a phase's, extra ones included
+        weights = [f["weight"] for r in fast.history[1:] for f in r.fragments]
+        assert all(8 * local_steps <= w <= 8 * (local_steps + extra) for w in weights), weights
+        assert max(weights) > 8 * local_steps, weights
     finally:
         for opt in opts:
             opt.close()
