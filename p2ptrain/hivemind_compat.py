@@ -109,8 +109,10 @@ TOUCH_POINTS: Tuple[TouchPoint, ...] = (
                "check each received part (finite, shape, weight, norm) and ban its sender",
                ("self", "stream", "sender_index")),
     TouchPoint(_RUNNER, "rpc_aggregate_part", "method", "averaging/allreduce.py",
-               "a reducer answers every sender before its round ends (it may be its last)",
-               ("self", "stream", "context")),
+               "a reducer answers every sender before its round ends (it may be its last), and holds each stream "
+               "open until its sender hangs up (protocol 6)", ("self", "stream", "context")),
+    TouchPoint(_RUNNER, "_handle_missing_senders", "method", "averaging/allreduce.py",
+               "a member that sends nothing is left out after START_TIMEOUT_S, not sender_timeout", ("self",)),
     TouchPoint(_RUNNER, "_get_peer_stub", "method", "averaging/allreduce.py", "count the bytes of each stream",
                ("self", "peer")),
     TouchPoint(_RUNNER, "_generate_input_for_peer", "method", "averaging/allreduce.py",

@@ -132,7 +132,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         sender sometimes never got it (most likely p2pd resets the libp2p stream once the handler's socket closes,
         dropping what is still queued), failed the round ("sent 13 parts, but we expected 14") and took the state,
         while the others committed it. Seen in CI and in 1 of every 8-50 fragment rounds of the WAN benchmark with
-        streaming; none in 63 since."""
+        streaming; none in 140 since."""
         self._streams_open += 1
         self._senders_served.clear()
         answered = 0
