@@ -190,12 +190,13 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
         per_round = []
         for i, r in enumerate(rounds):
             started = r["finished_at"] - r["seconds"]
-            if r.get("fragments"):
+            fragments = r.get("fragments") or []  # a streaming phase's rounds; none for the blocking sync
+            if fragments:
                 # a streaming phase's seconds are the ones its fragment rounds held training up, spread over the
                 # phase: of a fragment's wait at its apply step, the part before its last member launched the
                 # round is waiting for a slower peer. Its bytes flow all through the phase
                 waiting = sum(min(f["waited_s"], max(launches[(r["outer_step"], f["fragment"])]
-                                                     - f.get("launched_at", 0.0), 0.0)) for f in r["fragments"])
+                                                     - f.get("launched_at", 0.0), 0.0)) for f in fragments)
                 traffic_from = rounds[i - 1]["finished_at"] if i else started
             else:
                 waiting = min(max(arrivals[r["outer_step"]] - started, 0.0), r["seconds"] - r["allreduce_s"])
@@ -203,8 +204,8 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
             entry = {"outer_step": r["outer_step"], "seconds": r["seconds"], "allreduce_s": r["allreduce_s"],
                      "waiting_s": waiting, "sync_s": r["seconds"] - waiting,
                      # streaming: the fragment rounds' time before their all-reduce, in the background
-                     "matchmaking_s": sum(max(f["round_s"] - f["allreduce_s"], 0.0) for f in r["fragments"])
-                     if r.get("fragments") else max(r["seconds"] - waiting - r["allreduce_s"], 0.0),
+                     "matchmaking_s": sum(max(f["round_s"] - f["allreduce_s"], 0.0) for f in fragments)
+                     if fragments else max(r["seconds"] - waiting - r["allreduce_s"], 0.0),
                      "group_size": r["group_size"], "payload_sent": r["bytes_sent"],
                      "payload_received": r["bytes_received"], "eval_loss": r["eval_loss"],
                      "eval_s": r.get("eval_s", 0.0),
@@ -213,7 +214,7 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
                 # the sync proper, from the last member's arrival; the chatter while waiting is counted apart
                 sent, received = bytes_between(samples, host, traffic_from, r["finished_at"])
                 entry.update(wire_sent=sent, wire_received=received)
-                if waiting > 1.0 and not r.get("fragments"):
+                if waiting > 1.0 and not fragments:
                     idle_sent, idle_received = bytes_between(samples, host, started, started + waiting)
                     entry["waiting_bytes_per_s"] = (idle_sent + idle_received) / waiting
             per_round.append(entry)

@@ -224,6 +224,20 @@ def test_a_leaving_peer_waits_until_the_other_members_of_its_last_round_have_com
             opt.close()
 
 
+FP16_VALUES = 3 * 2**19
+"""fp16 on the wire: 3 MiB in 512 KiB parts, so each of three members reduces a range of its own"""
+
+
+def three_fp16_averagers(nodes, prefix: str, **timeouts) -> list:
+    """An averager per DHT node, holding FP16_VALUES copies of its index, in groups of exactly three."""
+    from p2ptrain.averaging.averager import PseudoGradientAverager
+
+    return [PseudoGradientAverager([torch.full((FP16_VALUES,), float(i))], node, prefix=prefix, compression="fp16",
+                                   min_group_size=3, target_group_size=3, min_matchmaking_time=2.0,
+                                   request_timeout=2.0, shutdown_timeout=5, **timeouts)
+            for i, node in enumerate(nodes)]
+
+
 def test_every_sender_hangs_up_on_its_reducers_once_it_holds_their_averages(dhts):
     """Protocol 6: a reducer holds each sender's stream open after its last average until the sender hangs up
     (ExactAllReduceRunner.rpc_aggregate_part), because a reducer that closed first could lose that average in the
@@ -231,15 +245,10 @@ def test_every_sender_hangs_up_on_its_reducers_once_it_holds_their_averages(dhts
     only when the reducers gave up on them (their reducer_timeout, 40 s here), not in about a second."""
     from hivemind.utils import get_dht_time
 
-    from p2ptrain.averaging.averager import PseudoGradientAverager, RoundResult
+    from p2ptrain.averaging.averager import RoundResult
 
     nodes = dhts(3)
-    values = 3 * 2**19  # fp16 on the wire: 3 MiB in 512 KiB parts, two parts per reducer
-    averagers = [PseudoGradientAverager([torch.full((values,), float(i))], node, prefix="hangup_diloco",
-                                        compression="fp16", min_group_size=3, target_group_size=3,
-                                        min_matchmaking_time=2.0, request_timeout=2.0, allreduce_timeout=60.0,
-                                        next_chunk_timeout=20.0, shutdown_timeout=5)
-               for i, node in enumerate(nodes)]
+    averagers = three_fp16_averagers(nodes, "hangup_diloco", allreduce_timeout=60.0, next_chunk_timeout=20.0)
     try:
         for averager in averagers:
             averager.start_in_background(timeout_s=30)
@@ -263,7 +272,7 @@ def test_every_sender_hangs_up_on_its_reducers_once_it_holds_their_averages(dhts
             with averager.get_tensors() as (tensor,):
                 tensors.append(tensor.clone())
         assert all(torch.equal(t, tensors[0]) for t in tensors)  # bit-identical, every round averaged by all three
-        assert torch.allclose(tensors[0], torch.full((values,), 1.0))
+        assert torch.allclose(tensors[0], torch.full((FP16_VALUES,), 1.0))
     finally:
         for averager in averagers:
             averager.shutdown()
@@ -292,12 +301,8 @@ def test_a_member_counted_into_the_group_that_never_runs_the_round_costs_seconds
     # the averager processes fork from here and keep both
     monkeypatch.setattr(PseudoGradientAverager, "_run_allreduce_inplace_", deserting)
     monkeypatch.setattr(allreduce, "START_TIMEOUT_S", 3.0)
-    values = 3 * 2**19  # fp16 on the wire: 3 MiB in 512 KiB parts, a range for every member, the deserter's too
-    averagers = [PseudoGradientAverager([torch.full((values,), float(i))], node, prefix="desert_diloco",
-                                        compression="fp16", min_group_size=3, target_group_size=3,
-                                        min_matchmaking_time=2.0, request_timeout=2.0, allreduce_timeout=300.0,
-                                        next_chunk_timeout=100.0, shutdown_timeout=5)
-                 for i, node in enumerate(nodes)]
+    # a range for every member, the deserter's too
+    averagers = three_fp16_averagers(nodes, "desert_diloco", allreduce_timeout=300.0, next_chunk_timeout=100.0)
     try:
         for averager in averagers:
             averager.start_in_background(timeout_s=30)
@@ -325,7 +330,7 @@ def test_a_member_counted_into_the_group_that_never_runs_the_round_costs_seconds
             assert outcomes[i, "s"] < 30.0, outcomes  # the start timeouts (3 s, 6 s), not 100-300 s
             assert deserter in averagers[i].last_failed_members, (averagers[i].last_failed_members, outcomes)
             with averagers[i].get_tensors() as (tensor,):
-                assert torch.equal(tensor, torch.full((values,), float(i)))
+                assert torch.equal(tensor, torch.full((FP16_VALUES,), float(i)))
     finally:
         for averager in averagers:
             averager.shutdown()
