@@ -8,14 +8,16 @@ import platform
 import signal
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from p2ptrain.bench.cpu import leftover_cgroups
 from p2ptrain.bench.netns import NetnsUnavailable, Topology, leftover_namespaces, nat_problem, netns_problem
 from p2ptrain.bench.report import write_report
-from p2ptrain.bench.swarm import BenchConfig, run_config
+from p2ptrain.bench.swarm import BenchConfig, run_config, with_solo_baseline
 
 
 def calibrate_local_steps(model: str, batch_size: int, phase_s: float, steps: int = 4) -> int:
@@ -50,6 +52,7 @@ def run_bench(*, models: Sequence[str], peers: int, rates_mbit: Sequence[Optiona
               compressions: Sequence[str], batch_size: int, out: Path, loopback: bool,
               behind_nat: Sequence[int] = (0,), groupings: Sequence[str] = ("pinned",),
               streaming: Sequence[tuple] = ((1, 0),), throttles: Sequence[float] = (1.0,),
+              cpu_per_peer: Optional[float] = None, solo: bool = False,
               echo: Callable[[str], None] = print) -> Path:
     """Run every combination and write ``out/report.md`` (+ .json, plots); returns the report's path."""
     problem = "--loopback given" if loopback else (nat_problem() if any(behind_nat) else netns_problem())
@@ -74,25 +77,33 @@ def run_bench(*, models: Sequence[str], peers: int, rates_mbit: Sequence[Optiona
             configs.append(BenchConfig(model=model, peers=peers, rate_mbit=rate, local_steps=h,
                                        outer_steps=outer_steps, compression=compression, batch_size=batch_size,
                                        behind_nat=nat, grouping=grouping, fragments=fragments,
-                                       overlap_steps=overlap, throttle=throttle))
+                                       overlap_steps=overlap, throttle=throttle, cpu_per_peer=cpu_per_peer))
     results = []
     # Ctrl-C and SIGTERM both end the run cleanly (daemons stopped, namespaces removed), even when started from a
     # shell that had SIGINT ignored (as background jobs of a non-interactive shell are)
     previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    if solo:  # each configuration's peers first train apart on the same hardware: their solo throughput, measured
+        configs = [c for cfg in configs for c in (replace(cfg, apart=True), cfg)]
+    apart = None
     try:
         for i, cfg in enumerate(configs, 1):
             echo(f"[{i}/{len(configs)}] {cfg.name}")
             topology = None if problem else Topology(hosts=peers + 1, rate_mbit=cfg.rate_mbit, nat=cfg.nat_hosts)
             try:
-                results.append(run_config(cfg, out / cfg.name, topology, progress=echo))
+                result = run_config(cfg, out / cfg.name, topology, progress=echo)
             finally:
                 if topology is not None:
                     topology.close()
+            if cfg.apart:
+                apart = result
+                echo(f"  apart: {sum(p['throughput'] or 0 for p in result['peers']):.2f} samples/s in all")
+                continue
+            results.append(with_solo_baseline(result, apart) if apart else result)
             r = results[-1]
             echo(f"  utilization {_pct(r['compute_utilization'])}, sync {_num(r['sync_s'])}s "
                  f"(bound {_num(r['bandwidth_bound_s'])}s), bytes x{_num(r['bytes_vs_butterfly'])} butterfly, "
                  f"eval loss {_num(r['final_eval_loss'], '.4f')}, rounds by group size {r['group_sizes']}, "
-                 f"{r['caught_up_rounds']} caught up"
+                 f"{r['caught_up_rounds']} caught up, samples/s {_pct(r['throughput_vs_solo'])} of solo"
                  + (f", {r['client_mode_peers']} peer(s) in client mode, {r['relayed_connections']} relayed "
                     "connection(s)" if cfg.behind_nat else ""))
             write_report(results, out, _environment(problem))  # after each: an interrupted run keeps its figures
@@ -107,6 +118,12 @@ def clean() -> List[str]:
     names = leftover_namespaces()
     for name in names:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    for path in leftover_cgroups():  # a killed run's CPU quotas (--cpu-per-peer)
+        for pid in path.joinpath("cgroup.procs").read_text().split():
+            subprocess.run(["kill", "-9", pid], capture_output=True)
+        time.sleep(0.2)
+        subprocess.run(["rmdir", str(path)], capture_output=True)
+        names.append(path.name)
     return names
 
 

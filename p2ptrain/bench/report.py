@@ -74,7 +74,9 @@ def write_report(results: List[Dict], out: Path, environment: Dict) -> Path:
     lines += [
         "",
         "samples/s vs solo: the samples per second entering all the peers' models, over the sum of each peer's "
-        "own rate at the inner-step time it measured here (what it would train alone on its share of this host).",
+        "own rate (" + "; ".join(sorted({r.get("solo_from", "median inner step") for r in results})) + "): "
+        "'measured apart' is the rate it trained at alone in a run of its own with the same throttle and CPU share "
+        "(bench --solo), 'median inner step' the rate at the median of its inner steps in the run itself.",
         "",
         "vs data-parallel: bytes one peer would send for the same inner steps with one fp32 all-reduce of the "
         "gradients per step (computed: steps x 2(n-1)/n x 4 bytes x parameters), over the bytes it sent here.",

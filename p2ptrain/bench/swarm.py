@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from p2ptrain.bench.cpu import CpuQuota
 from p2ptrain.bench.netns import Topology, bytes_between, wait_for_counters
 from p2ptrain.daemons import DaemonError, spawn, stop_daemons, wait_for_address
 from p2ptrain.memory import count_parameters
@@ -46,6 +47,12 @@ class BenchConfig:
     overlap_steps: int = 0
     throttle: float = 1.0
     """the last worker is made this many times slower (join --throttle): peers of different speeds"""
+    cpu_per_peer: Optional[float] = None
+    """each worker (with its p2pd) limited to this many CPUs by a cgroup quota (``cpu.CpuQuota``); None: the workers
+    share the host's cores as the scheduler pleases"""
+    apart: bool = False
+    """the peers train apart: each worker in a run of its own, so it never syncs with another (its outer steps are
+    solo steps); the baseline of 'samples/s vs solo' on the same hardware"""
     eval_batches: int = 2
     """held-out batches per eval (after every round): evals are wall time but not inner steps, so they lower the
     compute utilization; the worker's default of 8 would cost a 25M-model peer ~10% of a 1-minute phase here"""
@@ -57,8 +64,10 @@ class BenchConfig:
         grouping = "-defaults" if self.grouping == "defaults" else ""
         streaming = f"-F{self.fragments}tau{self.overlap_steps}" if self.fragments > 1 or self.overlap_steps else ""
         slow = f"-slow{self.throttle:g}x" if self.throttle != 1.0 else ""
+        cpu = f"-cpu{self.cpu_per_peer:g}" if self.cpu_per_peer else ""
+        apart = "-apart" if self.apart else ""
         return (f"{self.model}-{self.peers}peers{nat}-{rate}-H{self.local_steps}-{self.compression}{streaming}"
-                f"{slow}{grouping}")
+                f"{slow}{grouping}{cpu}{apart}")
 
     @property
     def nat_hosts(self) -> frozenset:
@@ -75,9 +84,15 @@ def run_config(cfg: BenchConfig, out: Path, topology: Optional[Topology], progre
     """Run one configuration to ``cfg.outer_steps`` rounds and return its figures (see ``summarize``)."""
     out.mkdir(parents=True, exist_ok=True)
     cores = os.cpu_count() or 1
+    quotas: Dict[int, CpuQuota] = {}
 
-    def prefix(i: int) -> List[str]:  # host i's namespace, and its core
-        return topology.command(i, *_pin(i, cores, cfg.peers)) if topology else _pin(i, cores, cfg.peers)
+    def prefix(i: int) -> List[str]:  # host i's namespace, and its core or its share of the CPU
+        if cfg.cpu_per_peer and i > 0:
+            quotas[i] = CpuQuota(f"p2ptrain-bench-{os.getpid()}-w{i}", cfg.cpu_per_peer)
+            local = quotas[i].prefix()
+        else:
+            local = _pin(i, cores, cfg.peers)
+        return topology.command(i, *local) if topology else local
 
     address = (lambda i: topology.addresses[i]) if topology else (lambda i: "127.0.0.1")
     procs: List[subprocess.Popen] = []
@@ -96,7 +111,9 @@ def run_config(cfg: BenchConfig, out: Path, topology: Optional[Topology], progre
         for i in range(1, cfg.peers + 1):
             procs.append(spawn([
                 "join", "--initial-peers", initial_peer,
-                "--host-maddrs", f"/ip4/{address(i)}/tcp/0", "--run-id", f"bench-{cfg.name}",
+                "--host-maddrs", f"/ip4/{address(i)}/tcp/0",
+                # apart: a run of its own per worker, so nobody is there to sync with
+                "--run-id", f"bench-{cfg.name}".replace(".", "_") + (f"-w{i}" if cfg.apart else ""),
                 "--model", cfg.model, "--batch-size", str(cfg.batch_size), "--local-steps", str(cfg.local_steps),
                 # the run's outer step to end at: every worker ends on the same one, also one that took the state
                 # after a failed round (its syncs would count one fewer, and under "wait" it would wait for good)
@@ -134,14 +151,31 @@ def run_config(cfg: BenchConfig, out: Path, topology: Optional[Topology], progre
     finally:
         stop_daemons(procs[1:])
         stop_daemons(procs[:1])
+        for quota in quotas.values():
+            quota.close()
     reports = [_read(out / f"w{i}.json") for i in range(1, cfg.peers + 1)]
     samples = topology.counters() if topology else []
     (out / "counters.json").write_text(json.dumps(samples))
     return summarize(cfg, reports, samples)
 
 
+def with_solo_baseline(result: Dict, apart: Dict) -> Dict:
+    """``result``'s samples/s against the same peers' measured throughput when they trained apart (``apart``: the
+    same configuration with ``apart=True``, run on the same hardware), peer by peer: worker i there is worker i
+    here, with the same throttle and CPU share."""
+    rates = [p["throughput"] for p in apart["peers"]]
+    if len(rates) != len(result["peers"]) or not all(rates):
+        return result
+    result = dict(result, solo_from=f"measured apart ({apart['name']})",
+                  throughput_vs_median_step=result["throughput_vs_solo"],
+                  peers=[dict(p, solo_throughput=rate) for p, rate in zip(result["peers"], rates)])
+    swarm = [p["throughput"] for p in result["peers"]]
+    result["throughput_vs_solo"] = sum(swarm) / sum(rates) if all(swarm) else None
+    return result
+
+
 def _grouping_flags(cfg: BenchConfig, i: int) -> List[str]:
-    if cfg.grouping == "defaults":
+    if cfg.grouping == "defaults" or cfg.apart:
         return []  # the workers find their groups from the live peers' progress records, as a user's do
     # every round of the benchmark is a round of all its peers, pinned by flags (the setup before the defaults
     # waited for the live peers): with fewer allowed, a peer a few seconds late would be left out of a round
@@ -183,7 +217,8 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
                 launches[key] = max(launches.get(key, 0.0), f.get("launched_at", 0.0))
     peers = []
     for host, report in enumerate(reports, 1):
-        rounds = [r for r in report["rounds"] if r["averaged"] and not r["caught_up"]]
+        # the rounds it trained through and averaged (apart: its solo steps, there is nobody to average with)
+        rounds = [r for r in report["rounds"] if (r["averaged"] or cfg.apart) and not r["caught_up"]]
         steady = rounds[1:]
         window = rounds[-1]["finished_at"] - rounds[0]["finished_at"] if steady else 0.0
         compute = rounds[-1]["compute_s"] - rounds[0]["compute_s"] if steady else 0.0
@@ -279,9 +314,11 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
         "utilization_without_waiting_or_eval": mean([p["utilization_without_waiting_or_eval"] for p in peers
                                                      if p["utilization_without_waiting_or_eval"]]),
         # the issue's figure for peers of different speeds: all samples entering the models, over the sum of the
-        # peers' own speeds (a slow peer that holds the others up, or whose work is thrown away, lowers it)
+        # peers' own speeds (a slow peer that holds the others up, or whose work is thrown away, lowers it). Here
+        # each peer's own speed is its median inner step in this run; ``with_solo_baseline`` puts a measured one
         "throughput_vs_solo": sum(p["throughput"] for p in peers) / sum(p["solo_throughput"] for p in peers)
         if peers and all(p["throughput"] and p["solo_throughput"] for p in peers) else None,
+        "solo_from": "median inner step",
         "utilization_bound": (cfg.local_steps * step_s / (cfg.local_steps * step_s + bound_s))
         if step_s and bound_s else None,
         "inner_phase_s": cfg.local_steps * step_s if step_s else None,

@@ -219,24 +219,30 @@ def _streaming_schedule(text: str) -> tuple:
                    "without :OVERLAP_STEPS, the most the schedule allows (H // FRAGMENTS - 1).")
 @click.option("--slow-peer", "throttles", type=click.FloatRange(min=1), multiple=True, default=[1.0],
               show_default=True, help="Make the last worker this many times slower (join --throttle; repeatable).")
+@click.option("--cpu-per-peer", type=click.FloatRange(min=0.05), default=None,
+              help="Limit each worker (and its p2pd) to this many CPUs with a cgroup quota (root), so runs with "
+                   "fewer or slower peers keep the same hardware per peer; default: they share the cores.")
+@click.option("--solo", is_flag=True, help="Also run each configuration with its peers apart (each alone in a run "
+                                            "of its own) first: 'samples/s vs solo' against their measured speed.")
 @click.option("--loopback", is_flag=True, help="No namespaces or rate limit, even as root.")
 @click.option("--clean", "clean_only", is_flag=True, help="Remove namespaces a killed benchmark left, then exit.")
 @click.option("--convergence", "convergence_steps", type=click.IntRange(min=1), multiple=True,
               help="Instead: the convergence experiment at this many inner steps (repeatable): alone, data-parallel "
                    "with --peers x the batch, DiLoCo per --local-steps and --compression, and the real swarm.")
 def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, batch_size, out, behind_nat, groupings,
-          streaming, throttles, loopback, clean_only, convergence_steps) -> None:
+          streaming, throttles, cpu_per_peer, solo, loopback, clean_only, convergence_steps) -> None:
     """Benchmark real swarms over rate-limited links (one network namespace per peer; root needed, else
     loopback): compute utilization, bytes on the wire, sync seconds against the bandwidth bound, eval loss."""
     from pathlib import Path
 
     from p2ptrain.averaging.compression import COMPRESSIONS
     from p2ptrain.bench.main import clean, run_bench
+    from p2ptrain.bench.swarm import BenchFailed
     from p2ptrain.model import MODEL_SIZES
 
     if clean_only:
         removed = clean()
-        click.echo(f"removed {len(removed)} namespace(s): {' '.join(removed) or '-'}")
+        click.echo(f"removed {len(removed)} namespace(s) and CPU quota(s): {' '.join(removed) or '-'}")
         return
     for name in models:
         if name not in MODEL_SIZES:
@@ -255,15 +261,24 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
         return
     if not local_steps and not phases:
         phases = (60.0,)
+    if cpu_per_peer:
+        from p2ptrain.bench.cpu import CpuQuota, CpuQuotaUnavailable
+
+        try:  # a first quota now: without root or a cpu controller, say so before any run starts
+            CpuQuota(f"p2ptrain-bench-probe-{os.getpid()}", cpu_per_peer).close()
+        except CpuQuotaUnavailable as e:
+            raise BadInput(f"--cpu-per-peer: {e}") from None
     try:
         report = run_bench(models=models, peers=peers, rates_mbit=rates, local_steps=local_steps, phases_s=phases,
                            outer_steps=outer_steps, compressions=compressions, batch_size=batch_size, out=Path(out),
                            loopback=loopback, behind_nat=behind_nat, groupings=groupings, streaming=schedules,
-                           throttles=throttles,
-                           echo=click.echo)
+                           throttles=throttles, cpu_per_peer=cpu_per_peer, solo=solo, echo=click.echo)
     except KeyboardInterrupt:
         click.echo(f"interrupted: the namespaces are removed; figures so far in {out}/report.md", err=True)
         sys.exit(130)
+    except BenchFailed as e:
+        click.echo(f"Error: {e}; figures of the finished configurations in {out}/report.md", err=True)
+        sys.exit(1)
     click.echo(f"report: {report}")
 
 
