@@ -1,6 +1,6 @@
 """``DiLoCoOptimizer``: the optimizer API (inner steps, syncs, checkpoints), the outer step and the peer's life
-(start, progress records, shutdown). It asks its ``Rounds`` (``rounds.py``) for each sync's outcome; the state
-transfer is its mixin (``state.py``)."""
+(start, progress records, shutdown). It asks its ``Rounds`` (``rounds.py``) for each sync's outcome; the blocking
+sync (``sync.py``), the streaming sync (``streaming.py``) and the state transfer (``state.py``) are its mixins."""
 
 from __future__ import annotations
 
@@ -13,26 +13,24 @@ from typing import Any, Callable, Iterable, List, Optional
 import torch
 from hivemind import DHT
 
-from p2ptrain.averaging import PseudoGradientAverager, RoundResult
+from p2ptrain.averaging import PseudoGradientAverager
 from p2ptrain.averaging.averager import PROTOCOL_VERSION
 from p2ptrain.averaging.compression import COMPRESSIONS, ERROR_FEEDBACK_BY_DEFAULT
 from p2ptrain.diloco.membership import Membership
 from p2ptrain.clock import PhaseClock
-from p2ptrain.diloco.records import (NO_GROUP_POLICIES, Outcome, RoundOutcome, SyncRecord, Throughput, _digest_of,
-                                     sync_phases)
-from p2ptrain.diloco.rounds import Position, Rounds, RoundSettings
+from p2ptrain.diloco.records import NO_GROUP_POLICIES, SyncRecord, Throughput
+from p2ptrain.diloco.rounds import Rounds, RoundSettings
 from p2ptrain.diloco.state import StateSharingMixin, _SnapshotRequest
 from p2ptrain.diloco.streaming import StreamingMixin
+from p2ptrain.diloco.sync import BlockingSyncMixin
 from p2ptrain.fragments import DEFAULT_MERGE_ALPHA, FragmentPlan
-from p2ptrain.finite import all_finite_many
 from p2ptrain.pace import Pace
-from p2ptrain.outer import add_error_feedback_, outer_step_, pseudo_gradient_
 from p2ptrain.schedules import Schedule, scale_lrs
-from p2ptrain.swarm.progress import FORCED_STORE_WAIT_S, ProgressPublisher, wait_until_stored
+from p2ptrain.swarm.progress import FORCED_STORE_WAIT_S, ProgressPublisher
 
 logger = logging.getLogger(__package__)  # one logger name for the whole optimizer, as users grep for it
 
-class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
+class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
     """A drop-in ``torch.optim.Optimizer`` that trains with DiLoCo across a hivemind swarm.
 
     :param params: the model's parameters (or parameter groups), handed to the inner optimizer as they are
@@ -355,178 +353,9 @@ class DiLoCoOptimizer(StreamingMixin, StateSharingMixin, torch.optim.Optimizer):
         if self.outer_lr_schedule is not None:
             scale_lrs(self.outer_optimizer.param_groups, self.outer_lr_schedule(self.outer_step))
 
-    # ------------------------------------------------------------------------------------------------- the sync
-
-    def sync(self) -> SyncRecord:
-        """Average pseudo-gradients with the swarm and take one outer step. Never raises for network failures."""
-        self._require_started()
-        if self.plan.streaming:
-            raise RuntimeError("this optimizer syncs its fragments on their own schedule inside step() (fragments > 1 "
-                               "or overlap_steps > 0); sync() is the blocking sync of all parameters")
-        # close() from another thread waits for this lock: shutting the averager down under a running step()
-        # would leave that step waiting for an answer from a process that is gone
-        with self._sync_lock:
-            return self._sync()
-
-    @torch.no_grad()
-    def _sync(self) -> SyncRecord:
-        started = time.perf_counter()
-        clock = self._clock = PhaseClock()
-        self.throughput.update()
-        # tell the others we are at the sync point now, not at the next periodic refresh: a round waits for the
-        # live peers that have not got there yet (_plan_round), and would wait for us too. The store runs in the
-        # DHT's process while this thread reads the records and computes the pseudo-gradient; it is waited for
-        # (bounded) before matchmaking starts
-        store_deadline = time.monotonic() + FORCED_STORE_WAIT_S
-        with clock("publish"):
-            stored = self._publish_progress(force=True, wait=False)
-        # one read of the records: this check, and the first attempt's plan
-        with clock("plan"):
-            outlook = self.rounds.outlook(self._position())
-        if outlook.ahead:
-            # behind already (paused, or a round went on without us): matchmaking at this outer step is doomed
-            logger.warning(f"{self._tag()} the swarm has moved past outer step {self.outer_step}; discarding this "
-                           "peer's stale pseudo-gradient and taking the state from live peers")
-            record = self._catch_up_and_join(started, attempts=0)
-            if record is not None:
-                return record
-        with clock("pseudo_gradient"):
-            diverged = self._fill_pseudo_gradient()
-        with clock("publish"):
-            wait_until_stored(stored, store_deadline - time.monotonic())
-
-        weight = 0.0 if diverged else float(max(self.samples_since_sync, 1))
-        with clock("round"):
-            outcome = self.rounds.run(weight, self._position(), outlook=outlook)
-        if outcome.kind is not Outcome.AVERAGED:
-            # nothing went through the wire: the peer applies its pseudo-gradient unrounded (apply_local), takes
-            # the swarm's state (behind) or abandons the round; either way there is no rounding error to carry
-            self._reset_residuals()
-        if outcome.kind is Outcome.BEHIND:
-            logger.warning(
-                f"{self._tag()} the swarm has moved past outer step {self.outer_step}; discarding this peer's "
-                "stale pseudo-gradient and taking the state from live peers"
-            )
-            record = self._catch_up_and_join(started, outcome.attempts)
-            if record is not None:
-                return record
-            # nobody could give us the state: fall back to the no-group policy
-        if outcome.kind is not Outcome.AVERAGED and self._interrupted.is_set():
-            # leaving: commit nothing the swarm did not. The local progress stays in the model's parameters (and in
-            # a checkpoint, with the global ones), so a resumed peer takes this round up again.
-            logger.warning(f"{self._tag()} leaving: abandoning this round without an outer step")
-            return self._record(started, None, outcome.attempts, abandoned=True)
-        match outcome:
-            case RoundOutcome(kind=Outcome.AVERAGED):
-                pass
-            case RoundOutcome(attempts=0):  # alone in the swarm: nobody to wait for
-                logger.info(f"{self._tag()} applying this peer's own pseudo-gradient: no other live peer of run "
-                            f"{self.run_id!r} is at this outer step")
-            case _:  # the buffers still hold our own pseudo-gradient: a failed round never writes them
-                self.rounds.explain_no_group()
-                logger.warning(
-                    f"{self._tag()} no group formed after {outcome.attempts} attempt(s); applying this peer's own "
-                    "pseudo-gradient (no_group_policy=apply_local)"
-                )
-        return self._apply(started, outcome.result, outcome.attempts)
-
-    def _fill_pseudo_gradient(self, indices: Optional[List[int]] = None, what: str = "the pseudo-gradient") -> bool:
-        """Write this peer's pseudo-gradient (plus its error-feedback residual) into the averager's buffers: of every
-        tensor, or of the tensors ``indices`` (a fragment's, streaming sync). True when local training diverged:
-        then those buffers hold zeros, which the peer sends with weight 0."""
-        indices = range(len(self.global_params)) if indices is None else indices
-        with self.averager.get_tensors() as all_buffers:
-            buffers = [all_buffers[i] for i in indices]
-            pseudo_gradient_(buffers, [self.global_params[i] for i in indices], [self.params[i] for i in indices])
-            residuals = None if self._residuals is None else [self._residuals[i] for i in indices]
-            if not all_finite_many(buffers):
-                # local training diverged: contribute nothing (weight 0, zeros) but still take the group's average,
-                # which puts this peer back on the shared parameters; the group is not kept waiting for us
-                for tensor in buffers + (residuals or []):
-                    tensor.zero_()
-                logger.error(
-                    f"{self._tag()} {what} has NaN/inf values (local training diverged); discarding this peer's "
-                    "local progress since the last sync; lower inner_lr if this repeats"
-                )
-                return True
-            if residuals is not None:
-                # error feedback: send what the wire dropped last time too, and keep what it will drop of this
-                # (the same parts, rounded the same way as the all-reduce will); kept only if the round averages
-                add_error_feedback_(buffers, residuals, self.averager.codec, self.averager.part_size_bytes)
-        return False
-
-    @torch.no_grad()
-    def _apply(self, started: float, result: Optional[RoundResult], attempts: int, **flags) -> SyncRecord:
-        """The outer step with what the buffers hold (the group's average, or our own pseudo-gradient)."""
-        clock = self._clock
-        with clock("outer_step"), self.averager.get_tensors() as buffers, self._state_lock:
-            self._apply_lr_schedules()  # the outer step counter may have jumped since the last one (a catch-up)
-            outer_step_(self.outer_optimizer, self.global_params, buffers, self.params)
-            self.outer_step += 1
-            self._committed_local_step = self.local_step
-        with clock("digest"):
-            self._digest = self._global_digest()  # outside the averager's lock: hashing needs none of its buffers
-        self.averager.set_host_outer_step(self.outer_step)
-        repaired = result is not None and self._repair_if_diverged(result)
-        return self._record(started, result, attempts, repaired=repaired, **flags)
-
-    def _record(self, started: float, result: Optional[RoundResult], attempts: int, **flags) -> SyncRecord:
-        """Close the sync: its record in ``history`` (and the log), the next phase's counters, a fresh progress
-        record. ``flags``: ``caught_up``, ``repaired``, ``abandoned`` (see ``SyncRecord``)."""
-        record = SyncRecord.of(result, outer_step=self.outer_step, seconds=time.perf_counter() - started,
-                               samples=self.samples_since_sync, attempts=attempts, digest=self._digest,
-                               phases=sync_phases(self._clock.seconds, result), **flags)
-        me = self.dht.peer_id.to_base58()
-        self._last_group = {peer for peer in result.gathered if peer != me} if result else set()
-        return self._finish_record(record)
-
-    def _finish_record(self, record: SyncRecord) -> SyncRecord:
-        """The rest of closing a sync: its record in ``history`` and the log, the next phase's counters, a fresh
-        progress record."""
-        record.inner_steps, record.stride = self._steps_since_sync, self.pace.stride
-        record.step_s, record.fastest_step_s = self.pace.step_s, self.progress.fastest_step_s
-        steps_before = self.pace.steps
-        if self.pace.update(record.step_s, record.fastest_step_s) != steps_before:
-            logger.info(f"{self._tag()} an inner step here takes {self.pace.ratio or 0:.2f}x the fastest live peer's: "
-                        f"{self.pace.steps} inner steps per phase from now on (stride {self.pace.stride:g})")
-        record.log(logger, self._tag())
-        self.history.append(record)
-        self._phase_started = time.monotonic()
-        if not record.abandoned:  # an abandoned round's samples are still in the model, to be synced later
-            self.samples_since_sync = 0
-            self._steps_since_sync = 0
-        # our commit, stored in the background: a member of this round that reads the records before it is stored
-        # still counts us (rounds.outlook_of), and waiting here cost up to FORCED_STORE_WAIT_S of every sync
-        started_publish = time.perf_counter()
-        self._publish_progress(force=True, wait=False)
-        record.phases["record"] = time.perf_counter() - started_publish
-        return record
-
-    def _position(self) -> Position:
-        """Where this peer stands for the round it is about to average, and what it tells the group about it."""
-        return Position(
-            outer_step=self.outer_step, local_step=self.local_step, phase_started=self._phase_started,
-            last_group=self._last_group,
-            gather={"outer_step": self.outer_step, "samples": self.samples_since_sync,
-                    # the digest of the global parameters this round starts from: every member must have the same
-                    "digest": self._digest,
-                    # a pseudo-gradient of fewer inner steps than H (a newcomer's first, after it took the state
-                    # mid-phase) is smaller than the others': widen its norm check in proportion
-                    "norm_scale": self.local_steps / max(1, min(self._steps_since_sync, self.local_steps))},
-        )
-
     def swarm_outer_step(self) -> int:
         """The highest outer step among the run's other live peers (from their progress records), or -1."""
         return self.rounds.swarm_outer_step()
-
-    def _reset_residuals(self) -> None:
-        if self._residuals is not None:
-            for residual in self._residuals:
-                residual.zero_()
-
-    def _global_digest(self) -> str:
-        """A digest of the exact bits of the global parameters: equal on every peer after every committed round."""
-        return _digest_of(self.global_params)
 
     def run_settings(self) -> dict:
         """What every peer of the run must agree on (swarm/progress.SETTINGS), as this peer has it."""

@@ -157,7 +157,9 @@ class StreamingMixin:
             logger.error(f"{self._tag()} fragment {self._in_flight.fragment}'s round is still in flight at fragment "
                          f"{fragment}'s launch; skipping fragment {fragment}'s round")
             return
-        diverged = self._fill_pseudo_gradient(self.plan.tensors[fragment], f"fragment {fragment}'s pseudo-gradient")
+        indices = self.plan.tensors[fragment]
+        # the error feedback (a codec round trip of the fragment) runs in the round's thread, before its all-reduce
+        diverged = self._fill_pseudo_gradient(indices, f"fragment {fragment}'s pseudo-gradient", feedback=False)
         steps = max(1, min(self._fragment_steps[fragment], self.local_steps))
         weight = 0.0 if diverged else float(max(self._fragment_samples[fragment], 1))
         position = self._fragment_position(fragment, self.local_step, self._fragment_samples[fragment],
@@ -165,13 +167,19 @@ class StreamingMixin:
         self._fragment_samples[fragment] = 0
         self._fragment_steps[fragment] = 0
         stored = self._publish_progress(force=True, wait=False)  # the others see us at this launch step
-        self._start_round(FragmentRound(fragment, self.local_step, weight), position, stored)
+        self._start_round(FragmentRound(fragment, self.local_step, weight), position, stored,
+                          feedback=None if diverged else indices)
         self._phase.blocked_s += time.perf_counter() - started
 
-    def _start_round(self, round_: FragmentRound, position: Position, stored=None) -> None:
-        """Run ``round_`` in a thread of its own; it is in flight until its apply step (``_finish``)."""
+    def _start_round(self, round_: FragmentRound, position: Position, stored=None,
+                     feedback: Optional[List[int]] = None) -> None:
+        """Run ``round_`` in a thread of its own; it is in flight until its apply step (``_finish``). ``feedback``:
+        the buffers to add the error-feedback residual to first (nothing else touches them or their residuals
+        until the round is applied)."""
         def run() -> None:
             try:
+                if feedback is not None:
+                    self._add_error_feedback(feedback)
                 if stored is not None:
                     wait_until_stored(stored, FORCED_STORE_WAIT_S)
                 round_.outcome = self.rounds.run(round_.weight, position)

@@ -8,7 +8,7 @@ import torch
 
 from p2ptrain.averaging.compression import get_compression
 from p2ptrain.fragments import FragmentPlan
-from p2ptrain.outer import group_average, merge_
+from p2ptrain.outer import add_error_feedback_, group_average, merge_
 from tests.swarm.test_diloco_exact import INNER, OUTER, batches, make_model, two_dhts  # noqa: F401 (fixture)
 from tests.swarm.test_diloco_exact import train_peers
 
@@ -16,12 +16,14 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 
 def streaming_reference(num_peers: int, plan: FragmentPlan, *, outer_steps: int, codec, part_size_bytes: int,
-                        batch: int = 8):
+                        batch: int = 8, error_feedback: bool = False):
     """The streaming swarm in one process, with no network: each peer's inner AdamW replayed on its own model with
     the same data; at fragment p's launch step its pseudo-gradient (global - local, over p's tensors) is taken, at its
     apply step the group's sample-weighted average (as the all-reduce computes it) steps p's global values with the
     outer Nesterov SGD, and every peer merges them into its own (``local = alpha * local + (1 - alpha) * global``).
-    Returns the global parameters and each peer's model parameters at the end of each phase."""
+    ``error_feedback``: each peer adds what the wire dropped of its last contribution of a fragment to the next, and
+    keeps what the wire drops of this one. Returns the global parameters and each peer's model parameters at the end
+    of each phase."""
     H = plan.local_steps
     models = [make_model() for _ in range(num_peers)]
     inner = [INNER(model.parameters()) for model in models]
@@ -31,6 +33,7 @@ def streaming_reference(num_peers: int, plan: FragmentPlan, *, outer_steps: int,
     alpha = plan.merge_alpha if plan.overlap_steps > 0 else 0.0
     samples = [[0] * plan.fragments for _ in range(num_peers)]
     pending = {}  # fragment -> (contributions, weights)
+    residuals = [[torch.zeros_like(g) for g in global_params] for _ in range(num_peers)]
     after = []
     for step in range(1, H * outer_steps + 1):
         for i, (model, opt) in enumerate(zip(models, inner)):
@@ -46,6 +49,9 @@ def streaming_reference(num_peers: int, plan: FragmentPlan, *, outer_steps: int,
             with torch.no_grad():
                 contributions = [[global_params[t] - params[i][t] for t in plan.tensors[launch]]
                                  for i in range(num_peers)]
+                for i in range(num_peers) if error_feedback else ():
+                    add_error_feedback_(contributions[i], [residuals[i][t] for t in plan.tensors[launch]], codec,
+                                        part_size_bytes)
             pending[launch] = (contributions, [float(samples[i][launch]) for i in range(num_peers)])
             for i in range(num_peers):
                 samples[i][launch] = 0
@@ -66,6 +72,18 @@ def streaming_reference(num_peers: int, plan: FragmentPlan, *, outer_steps: int,
             after.append(([g.detach().clone() for g in global_params],
                           [[p.detach().clone() for p in model.parameters()] for model in models]))
     return after
+
+
+def assert_matches_reference(opts, snapshots, outer_steps: int, compression: str, error_feedback: bool = False):
+    """Each of the two peers' parameters after every phase, and the final global ones, equal the replay's."""
+    want = streaming_reference(2, opts[0].plan, outer_steps=outer_steps, codec=get_compression(compression),
+                               part_size_bytes=opts[0].averager.part_size_bytes, error_feedback=error_feedback)
+    for k, (want_global, want_local) in enumerate(want):
+        for i in range(2):
+            for got, expected in zip(snapshots[i][k], want_local[i]):
+                torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    for got, expected in zip(opts[0].global_params, want[-1][0]):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("fragments,overlap", [(2, 1), (1, 2), (4, 0)])
@@ -93,14 +111,28 @@ def test_streaming_peers_match_single_process_math(two_dhts, fragments, overlap)
         assert opts[0].history[-1].digest == opts[1].history[-1].digest
         for a, b in zip(opts[0].global_params, opts[1].global_params):
             assert torch.equal(a, b)
-        want = streaming_reference(2, plan, outer_steps=outer_steps, codec=get_compression("none"),
-                                   part_size_bytes=opts[0].averager.part_size_bytes)
-        for k, (want_global, want_local) in enumerate(want):
-            for i in range(2):
-                for got, expected in zip(snapshots[i][k], want_local[i]):
-                    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
-        for got, expected in zip(opts[0].global_params, want[-1][0]):
-            torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+        assert_matches_reference(opts, snapshots, outer_steps, "none")
+    finally:
+        for opt in opts:
+            opt.close()
+
+
+def test_int8_fragments_with_error_feedback_match_the_math_and_stay_bit_identical(two_dhts):
+    """int8 on the wire with error feedback, whose codec round trip runs in each fragment's round thread (off the
+    training thread): every phase equals the one-process replay that adds each peer's residual at the launch step,
+    and the global values are the same bits on both peers."""
+    local_steps, outer_steps = 6, 3
+    models, opts, snapshots = train_peers(two_dhts, compression="int8", local_steps=local_steps,
+                                          outer_steps=outer_steps, run_id="stream-int8", fragments=2,
+                                          overlap_steps=1, merge_alpha=0.5, max_extra_steps=0)
+    try:
+        assert opts[0].error_feedback and opts[0]._residuals is not None
+        for a, b in zip(opts[0].global_params, opts[1].global_params):
+            assert torch.equal(a, b)
+        assert [r.digest for r in opts[0].history] == [r.digest for r in opts[1].history]
+        assert all(r.averaged and r.group_size == 2 for r in opts[0].history)
+        assert any(r.abs().sum() > 0 for r in opts[0]._residuals)  # the wire dropped something, and it was kept
+        assert_matches_reference(opts, snapshots, outer_steps, "int8", error_feedback=True)
     finally:
         for opt in opts:
             opt.close()
