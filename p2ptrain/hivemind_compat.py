@@ -12,12 +12,15 @@ these names, then run that test.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 import importlib.util
 import inspect
+import math
 import re
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, List, Optional, Tuple
 
@@ -100,6 +103,9 @@ TOUCH_POINTS: Tuple[TouchPoint, ...] = (
     TouchPoint("hivemind.averaging.key_manager.GroupKeyManager", "update_key_on_group_assembled", "method",
                "averaging/averager.py", "switched off: hivemind rewrote the group bits after every group",
                ("self", "group_info")),
+    TouchPoint("hivemind.averaging.key_manager.GroupKeyManager", "get_averagers", "method",
+               "averaging/averager.py", "pace matchmaking's lookups of the declared leaders",
+               ("self", "group_key", "only_active")),
     TouchPoint("hivemind.averaging.matchmaking.PotentialLeaders", "min_matchmaking_time", "attribute",
                "averaging/averager.py", "the round's window"),
     TouchPoint(_RUNNER, "_communicate_with_peer", "method", "averaging/allreduce.py",
@@ -153,6 +159,10 @@ def check_hivemind() -> None:
                            f"install it with: pip install hivemind=={SUPPORTED_HIVEMIND}")
 
 
+GROUP_LOOKUP_INTERVAL_S = 0.5
+"""the least time between two DHT lookups of a group's declared leaders by one peer's matchmaking"""
+
+
 class SteeredMatchmaking:
     """hivemind's ``Matchmaking`` of one averager (averager process), steered per round by p2ptrain.
 
@@ -161,7 +171,8 @@ class SteeredMatchmaking:
     set (hivemind rewrote them after every group: a retry within one step then met peers one outer step ahead), and
     lets a follower it did not expect raise the target instead of taking an expected peer's place."""
 
-    def __init__(self, matchmaking: Any, refuses_leader: Callable[[Any], bool]):
+    def __init__(self, matchmaking: Any, refuses_leader: Callable[[Any], bool],
+                 on_lookup: Callable[[], None] = lambda: None):
         self.matchmaking = matchmaking
         self.expected: set = set()  # base58 ids the target counts, and the unexpected followers accepted since
         self.cap = 0  # the most members a group may hold (0: no cap)
@@ -187,8 +198,26 @@ class SteeredMatchmaking:
                 matchmaking.target_group_size = target
             return reason
 
+        key_manager = matchmaking.group_key_manager
+        get_averagers = key_manager.get_averagers
+
+        last_lookup = [-math.inf]
+
+        async def paced_get_averagers(*args, **kwargs):
+            # hivemind asks again as soon as an answer with no leader in it comes back (PotentialLeaders.
+            # pop_next_leader sets update_triggered while its queue is empty): a peer alone in matchmaking made
+            # ~570 lookups a second. At most one per GROUP_LOOKUP_INTERVAL_S; a leader declared meanwhile is
+            # found at the next one, well inside the round's window
+            wait = last_lookup[0] + GROUP_LOOKUP_INTERVAL_S - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            last_lookup[0] = time.monotonic()
+            on_lookup()
+            return await get_averagers(*args, **kwargs)
+
         matchmaking._request_join_group = guarded_request_join_group
-        matchmaking.group_key_manager.update_key_on_group_assembled = keep_group_bits
+        key_manager.get_averagers = paced_get_averagers
+        key_manager.update_key_on_group_assembled = keep_group_bits
         matchmaking._check_reasons_to_reject = check_request_counting_the_unexpected
 
     def plan(self, target: Optional[int], window_s: float, expected: Collection[str], cap: int) -> None:

@@ -123,6 +123,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         # streaming sync: a round averages one fragment (a run of the tensors), which the host names per round
         self.fragments = [list(f) for f in fragments] if fragments else [list(range(len(averaged_tensors)))]
         self._round_fragment = mp.Value(ctypes.c_int64, 0)
+        self._group_lookups = mp.Value(ctypes.c_int64, 0)  # DHT lookups of the group key matchmaking made
         self._init_state_transfer()
 
     @property
@@ -138,6 +139,15 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
     @property
     def incomplete_rounds(self) -> int:
         return int(self._incomplete_rounds.value)
+
+    @property
+    def group_lookups(self) -> int:
+        """DHT lookups of the declared potential leaders that this averager's matchmaking made so far."""
+        return int(self._group_lookups.value)
+
+    def _count_lookup(self) -> None:
+        with self._group_lookups.get_lock():
+            self._group_lookups.value += 1
 
     @property
     def last_failed_members(self) -> set:
@@ -253,7 +263,8 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
     async def _step(self, **kwargs):
         # this round's plan (set_round_plan), read once per step, before matchmaking
         if self._steered is None:
-            self._steered = SteeredMatchmaking(matchmaking_of(self), refuses_leader=self.is_banned)
+            self._steered = SteeredMatchmaking(matchmaking_of(self), refuses_leader=self.is_banned,
+                                               on_lookup=self._count_lookup)
         expected = _split_ids(self._round_expected.value)
         self._steered.plan(self._round_target.value or None, self._round_window_s.value, expected,
                            self._round_cap.value)

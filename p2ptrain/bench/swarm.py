@@ -86,13 +86,12 @@ def run_config(cfg: BenchConfig, out: Path, topology: Optional[Topology], progre
     cores = os.cpu_count() or 1
     quotas: Dict[int, CpuQuota] = {}
 
-    def prefix(i: int) -> List[str]:  # host i's namespace, and its core or its share of the CPU
+    def prefix(i: int) -> List[str]:  # host i's share of the CPU or its core, and its namespace
         if cfg.cpu_per_peer and i > 0:
+            # the cgroup is joined before entering the namespace, whose /sys has no cgroup mounts
             quotas[i] = CpuQuota(f"p2ptrain-bench-{os.getpid()}-w{i}", cfg.cpu_per_peer)
-            local = quotas[i].prefix()
-        else:
-            local = _pin(i, cores, cfg.peers)
-        return topology.command(i, *local) if topology else local
+            return [*quotas[i].prefix(), *(topology.command(i) if topology else [])]
+        return topology.command(i, *_pin(i, cores, cfg.peers)) if topology else _pin(i, cores, cfg.peers)
 
     address = (lambda i: topology.addresses[i]) if topology else (lambda i: "127.0.0.1")
     procs: List[subprocess.Popen] = []

@@ -334,3 +334,35 @@ def test_a_member_counted_into_the_group_that_never_runs_the_round_costs_seconds
     finally:
         for averager in averagers:
             averager.shutdown()
+
+
+def test_a_peer_alone_in_matchmaking_looks_the_group_up_a_few_times_a_second_not_in_a_loop(dhts):
+    """hivemind's matchmaking asks the DHT for the group's declared leaders again as soon as an answer comes back
+    while it has none (PotentialLeaders.pop_next_leader triggers the next update at once): a peer waiting alone for
+    a group spun on DHT lookups. In the WAN benchmark a peer a fragment ahead of the others did so for 10-60 s a
+    round, and every host's link carried ~150 kB/s of answers to it (its own ~450 kB/s): twice the int8 sync's bytes
+    per phase. The lookups are paced (GROUP_LOOKUP_INTERVAL_S); a group still forms at once when one is there."""
+    from hivemind.utils import get_dht_time
+
+    from p2ptrain.averaging.averager import PseudoGradientAverager
+    from p2ptrain.hivemind_compat import GROUP_LOOKUP_INTERVAL_S
+
+    nodes = dhts(2)
+    averager = PseudoGradientAverager([torch.zeros(16)], nodes[1], prefix="lone_lookups", compression="fp16",
+                                      min_group_size=2, target_group_size=2, min_matchmaking_time=2.0,
+                                      request_timeout=2.0, shutdown_timeout=5)
+    try:
+        averager.start_in_background(timeout_s=30)
+        window_s = 4.0
+        averager.set_round_plan(window_s=window_s, target_group_size=2)
+        started = time.monotonic()
+        control = averager.step(weight=1.0, scheduled_time=get_dht_time() + window_s, timeout=window_s + 2.0,
+                                allow_retries=False, wait=False)
+        with pytest.raises(Exception):
+            control.result(timeout=60.0)  # nobody to group with
+        seconds = time.monotonic() - started
+        assert seconds >= window_s - 1.0, seconds
+        assert averager.group_lookups <= seconds / GROUP_LOOKUP_INTERVAL_S + 3, (averager.group_lookups, seconds)
+        assert averager.group_lookups >= 2  # it did look
+    finally:
+        averager.shutdown()
