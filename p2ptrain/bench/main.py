@@ -83,7 +83,8 @@ def run_bench(*, models: Sequence[str], peers: int, rates_mbit: Sequence[Optiona
     # shell that had SIGINT ignored (as background jobs of a non-interactive shell are)
     previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     if solo:  # each configuration's peers first train apart on the same hardware: their solo throughput, measured
-        configs = [c for cfg in configs for c in (replace(cfg, apart=True), cfg)]
+        # over 2 phases after the first (a slower peer takes all H steps there: its phases are the longest)
+        configs = [c for cfg in configs for c in (replace(cfg, apart=True, outer_steps=min(cfg.outer_steps, 3)), cfg)]
     apart = None
     try:
         for i, cfg in enumerate(configs, 1):
