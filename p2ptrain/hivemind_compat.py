@@ -171,8 +171,7 @@ class SteeredMatchmaking:
     set (hivemind rewrote them after every group: a retry within one step then met peers one outer step ahead), and
     lets a follower it did not expect raise the target instead of taking an expected peer's place."""
 
-    def __init__(self, matchmaking: Any, refuses_leader: Callable[[Any], bool],
-                 on_lookup: Callable[[], None] = lambda: None):
+    def __init__(self, matchmaking: Any, refuses_leader: Callable[[Any], bool], lookups: Any = None):
         self.matchmaking = matchmaking
         self.expected: set = set()  # base58 ids the target counts, and the unexpected followers accepted since
         self.cap = 0  # the most members a group may hold (0: no cap)
@@ -201,18 +200,21 @@ class SteeredMatchmaking:
         key_manager = matchmaking.group_key_manager
         get_averagers = key_manager.get_averagers
 
-        last_lookup = [-math.inf]
+        last_lookup = -math.inf
 
         async def paced_get_averagers(*args, **kwargs):
+            nonlocal last_lookup
             # hivemind asks again as soon as an answer with no leader in it comes back (PotentialLeaders.
             # pop_next_leader sets update_triggered while its queue is empty): a peer alone in matchmaking made
             # ~570 lookups a second. At most one per GROUP_LOOKUP_INTERVAL_S; a leader declared meanwhile is
             # found at the next one, well inside the round's window
-            wait = last_lookup[0] + GROUP_LOOKUP_INTERVAL_S - time.monotonic()
+            wait = last_lookup + GROUP_LOOKUP_INTERVAL_S - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
-            last_lookup[0] = time.monotonic()
-            on_lookup()
+            last_lookup = time.monotonic()
+            if lookups is not None:  # a shared counter (multiprocessing.Value) the host process reads
+                with lookups.get_lock():
+                    lookups.value += 1
             return await get_averagers(*args, **kwargs)
 
         matchmaking._request_join_group = guarded_request_join_group

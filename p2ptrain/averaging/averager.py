@@ -145,10 +145,6 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         """DHT lookups of the declared potential leaders that this averager's matchmaking made so far."""
         return int(self._group_lookups.value)
 
-    def _count_lookup(self) -> None:
-        with self._group_lookups.get_lock():
-            self._group_lookups.value += 1
-
     @property
     def last_failed_members(self) -> set:
         """Peer ids (base58) of the members whose range failed in the last incomplete round."""
@@ -264,7 +260,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         # this round's plan (set_round_plan), read once per step, before matchmaking
         if self._steered is None:
             self._steered = SteeredMatchmaking(matchmaking_of(self), refuses_leader=self.is_banned,
-                                               on_lookup=self._count_lookup)
+                                               lookups=self._group_lookups)
         expected = _split_ids(self._round_expected.value)
         self._steered.plan(self._round_target.value or None, self._round_window_s.value, expected,
                            self._round_cap.value)

@@ -59,7 +59,6 @@ class CpuQuota:
         except OSError as e:
             raise CpuQuotaUnavailable(f"cannot make a cgroup with a CPU quota ({e}): --cpu-per-peer needs root "
                                       "and the cgroup cpu controller") from None
-        self.cores = cores
 
     def prefix(self) -> List[str]:
         """The command joins the cgroup, then becomes the command (its children, p2pd among them, stay in it)."""
@@ -67,17 +66,23 @@ class CpuQuota:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Remove the cgroup once its processes are gone (they are stopped before this)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                os.rmdir(self.path)
+        remove_cgroup(self.path, timeout_s)
+
+
+def remove_cgroup(path: Path, timeout_s: float = 10.0) -> None:
+    """rmdir ``path`` once its processes have left it; a process that outlives ``timeout_s`` leaves it in place
+    (``bench --clean`` removes it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if time.monotonic() > deadline:
                 return
-            except FileNotFoundError:
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    return  # a process outlived its stop: leave the cgroup, `bench --clean` removes it
-                time.sleep(0.2)
+            time.sleep(0.2)
 
 
 def leftover_cgroups(prefix: str = "p2ptrain-bench-") -> List[Path]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import platform
@@ -14,7 +15,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from p2ptrain.bench.cpu import leftover_cgroups
+from p2ptrain.bench.cpu import leftover_cgroups, remove_cgroup
 from p2ptrain.bench.netns import NetnsUnavailable, Topology, leftover_namespaces, nat_problem, netns_problem
 from p2ptrain.bench.report import write_report
 from p2ptrain.bench.swarm import BenchConfig, run_config, with_solo_baseline
@@ -119,11 +120,11 @@ def clean() -> List[str]:
     names = leftover_namespaces()
     for name in names:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    for path in leftover_cgroups():  # a killed run's CPU quotas (--cpu-per-peer)
+    for path in leftover_cgroups():  # a killed run's CPU quotas (--cpu-per-peer), and what still runs in them
         for pid in path.joinpath("cgroup.procs").read_text().split():
-            subprocess.run(["kill", "-9", pid], capture_output=True)
-        time.sleep(0.2)
-        subprocess.run(["rmdir", str(path)], capture_output=True)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        remove_cgroup(path, timeout_s=5.0)
         names.append(path.name)
     return names
 
