@@ -1,7 +1,7 @@
 """``p2ptrain demo``: a bootstrap peer and N workers on 127.0.0.1, each a separate ``p2ptrain`` process.
 
 The demo drives the real commands (``bootstrap``, ``join``) exactly as a user would in separate shells, follows
-their progress through the DHT the way ``status`` does, and summarises the workers' JSON reports.
+their progress through the DHT the way ``status`` does, and summarises and plots the workers' JSON reports.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ def run_demo(
         if json_path:
             Path(json_path).write_text(json.dumps(summary, indent=2))
             print(f"wrote {json_path}")
+        _plot(reports, _plots_dir(json_path, run_id))
         ok = True
         return summary
     finally:
@@ -97,6 +98,32 @@ def run_demo(
         stop_daemons(procs[:1], timeout_s=30)
         if ok and not keep_logs:
             shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _plots_dir(json_path: Optional[str], run_id: str) -> Path:
+    """Next to the --json file (``demo.json`` -> ``demo-plots/``): where the user asked for the demo's output. Else
+    a folder of its own in the temporary directory, not the current one: the log folder is removed when all went
+    well, and a run (a test's, too) should not leave files in whatever folder it was started from."""
+    if json_path:
+        path = Path(json_path)
+        return path.with_name(f"{path.stem}-plots")
+    return Path(tempfile.gettempdir()) / f"p2ptrain-{run_id}-plots"
+
+
+def _plot(reports: List[dict], out: Path) -> None:
+    """The workers' plots (observe/plot.py), or a line saying why there are none: the run itself went well."""
+    from p2ptrain.observe import MissingExtra
+    from p2ptrain.observe.plot import plot_reports
+
+    try:
+        written = plot_reports(reports, out)
+    except MissingExtra as e:
+        print(f"no plots: {e}")
+        return
+    except OSError as e:
+        print(f"no plots: cannot write them into {out}: {e.strerror or e}")
+        return
+    print(f"plots: {out} ({', '.join(path.name for path in written)})")
 
 
 def _follow(worker_procs, bootstrap_maddr: str, run_id: str, total_steps: int, stop: threading.Event, *,

@@ -96,6 +96,7 @@ def run_bench(*, models: Sequence[str], peers: int, rates_mbit: Sequence[Optiona
             finally:
                 if topology is not None:
                     topology.close()
+            _plot_workers(out / cfg.name, cfg.peers, echo)
             if cfg.apart:
                 apart = result
                 echo(f"  apart: {sum(p['throughput'] or 0 for p in result['peers']):.2f} samples/s in all")
@@ -113,6 +114,21 @@ def run_bench(*, models: Sequence[str], peers: int, rates_mbit: Sequence[Optiona
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return out / "report.md"
+
+
+def _plot_workers(folder: Path, peers: int, echo: Callable[[str], None]) -> None:
+    """One configuration's per-worker plots (observe/plot.py: loss by step and time, each sync's split, bytes per
+    round) from its workers' reports, in ``folder/plots``; report.md's plots compare the configurations instead.
+    A plot that cannot be made costs only its line: the figures are in report.json either way."""
+    from p2ptrain.observe import MissingExtra
+    from p2ptrain.observe.plot import ReportError, load_reports, plot_reports
+
+    try:
+        written = plot_reports(load_reports([folder / f"w{i}.json" for i in range(1, peers + 1)]), folder / "plots")
+    except (MissingExtra, ReportError, OSError) as e:
+        echo(f"  no per-worker plots: {e}")
+        return
+    echo(f"  plots: {folder / 'plots'} ({', '.join(path.name for path in written)})")
 
 
 def clean() -> List[str]:
