@@ -1,13 +1,18 @@
-"""Logging for the commands: one handler that writes around progress bars, and hivemind's records in one line each.
+"""Logging for the commands: one handler that writes around progress bars, and hivemind's records in one line each,
+as text for a person or as one JSON object a line for a log collector (``--log-format``).
 
 Only the CLI configures handlers; every other module just logs to ``logging.getLogger(__name__)``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+from datetime import datetime, timezone
 from typing import Optional
+
+LOG_FORMATS = ("human", "json")
 
 
 class _TqdmHandler(logging.Handler):
@@ -52,10 +57,47 @@ _HANDLER: Optional[logging.Handler] = None
 _VERBOSE = False
 
 
-def setup_logging(verbose: bool) -> None:
+class _JsonFormatter(logging.Formatter):
+    """One JSON object a line: ``time`` (ISO 8601 UTC, milliseconds), ``level``, ``logger``, ``message``, ``process``
+    (pid: the DHT and averager are forked processes writing to the same stream), and ``exception`` (the traceback)
+    where the record still carries one after ``_OneLineFromLibraries``. json.dumps escapes the newlines of a
+    multi-line message or traceback, so a collector that splits on lines never sees half an object."""
+
+    # by number, not record.levelname: importing hivemind renames WARNING to WARN process-wide, so the same level
+    # would go out under two names depending on whether a command had imported hivemind yet
+    LEVELS = {logging.DEBUG: "DEBUG", logging.INFO: "INFO", logging.WARNING: "WARNING", logging.ERROR: "ERROR",
+              logging.CRITICAL: "CRITICAL"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        created = datetime.fromtimestamp(record.created, tz=timezone.utc)
+        entry = {
+            "time": created.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "level": self.LEVELS.get(record.levelno, record.levelname),
+            "logger": record.name,
+            "message": record.getMessage(),
+            "process": record.process,
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            entry["exception"] = record.exc_text
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(entry, ensure_ascii=False, default=str)
+
+
+def setup_logging(verbose: bool, log_format: str = "human") -> None:
+    """Send p2ptrain's and asyncio's records (and hivemind's, after ``setup_hivemind_logging``) through one handler
+    that writes around progress bars, in ``log_format`` (one of LOG_FORMATS); ``verbose``: debug level, and the
+    libraries' records with their tracebacks."""
     global _HANDLER, _VERBOSE
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"unknown log format {log_format!r}: use one of {', '.join(LOG_FORMATS)}")
     handler = _TqdmHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    if log_format == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     if not verbose:
         handler.addFilter(_OneLineFromLibraries())
     _HANDLER, _VERBOSE = handler, verbose
