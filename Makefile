@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 
 setup:
 	$(PIP) install --quiet "$(TORCH_SPEC)"
-	$(PIP) install --quiet -e ".[test,hf]"
+	$(PIP) install --quiet -e ".[test,hf,metrics,tensorboard,wandb]"
 
 demo: setup
 	$(PYTHON) -m p2ptrain demo --workers 2 --outer-steps 5 --local-steps 20

@@ -262,18 +262,35 @@ class TrainConfig:
 
 
 @dataclass
+class ObserveConfig:
+    """What a daemon shows of itself besides its log: Prometheus metrics and training loggers (p2ptrain/observe)."""
+
+    metrics_port: Optional[int] = setting(None, at_least=0, below=65536)
+    """serve Prometheus metrics at http://<metrics_host>:<port>/metrics (0: a free port, logged); unset: off. Needs
+    pip install 'p2ptrain[metrics]'"""
+    metrics_host: str = "127.0.0.1"
+    """the address the metrics endpoint binds to: 127.0.0.1 (this host only) or 0.0.0.0 (every interface, for a
+    Prometheus server elsewhere)"""
+    log_to: List[str] = setting(factory=list)
+    """also log training scalars (loss, learning rates, eval loss, sync time and bytes) to tensorboard:DIR or
+    wandb[:PROJECT] (offline without an API key); each needs its extra: pip install 'p2ptrain[tensorboard]' or
+    'p2ptrain[wandb]'"""
+
+
+@dataclass
 class RunConfig:
     run_id: str = "p2ptrain"
     """the training run's name: it namespaces every DHT key of the run, so its peers must share it"""
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-SECTIONS = {"swarm": SwarmConfig, "diloco": DiLoCoConfig, "train": TrainConfig}
+SECTIONS = {"swarm": SwarmConfig, "diloco": DiLoCoConfig, "train": TrainConfig, "observe": ObserveConfig}
 
 
 # ------------------------------------------------------------------------------------- settings, from the fields
@@ -527,6 +544,13 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(str(e)) from None
     problem = model_source_problem(t.model)
     need(not problem, problem)
+    from p2ptrain.observe.loggers import LogToError, parse_log_to  # light: parsing only
+
+    for spec in config.observe.log_to:
+        try:
+            parse_log_to(spec)
+        except LogToError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _largest_divisor(n: int, at_most: Optional[int]) -> int:

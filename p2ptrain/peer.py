@@ -15,18 +15,20 @@ import threading
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
 from p2ptrain.checkpoint import resume_state
-from p2ptrain.config import ConfigError, RunConfig, default_threads
+from p2ptrain.config import ConfigError, ObserveConfig, RunConfig, default_threads
 from p2ptrain.data import ShardedBatches, eval_batches, phase_shortfall, token_unit
 from p2ptrain.data_shards import DataShardTracker
 from p2ptrain.health import Heartbeat, write_atomically
 from p2ptrain.lifeline import follow_parent
 from p2ptrain.memory import GiB, check_memory
 from p2ptrain.model_source import ModelSpec, build_from_spec, resolve_model
+from p2ptrain.observe import listen_problem
+from p2ptrain.observe.telemetry import Telemetry, TelemetryPublisher
 from p2ptrain.ranks import LocalRanks, PeerRanks, start_ranks
 from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht, visible_maddrs
 from p2ptrain.swarm.progress import ProgressPublisher
@@ -72,6 +74,9 @@ class Worker:
         self._stop = threading.Event()
         self._dht = None  # set once joined: the round reports list its connections
         self._checkpoint_parts: Optional[tuple] = None  # (model, batches) once training can begin
+        self.telemetry: Optional[Telemetry] = None  # the leader's metrics, loggers and dashboard record
+        self.metrics_port: Optional[int] = None
+        """the port the Prometheus metrics are served on (``--metrics-port 0`` picks one), once started"""
 
     def request_stop(self) -> None:
         """Leave after the current step; a sync that is waiting for peers gives up after its current attempt."""
@@ -119,7 +124,14 @@ class Worker:
         if self.resume:
             resumed = resume_state(train_cfg.checkpoint_dir, cfg.run_id, model=spec.identity,
                                    num_shards=train_cfg.num_shards, sharded_peer=position.world > 1)
-        ranks = self.ranks = start_ranks(position, device, train_cfg)
+        # first of the servers: a taken port is the user's to fix before anything joins the swarm
+        metrics = self._start_metrics(spec) if position.leader else None
+        try:
+            ranks = self.ranks = start_ranks(position, device, train_cfg)
+        except BaseException:
+            if metrics is not None:
+                metrics.close()
+            raise
 
         if train_cfg.memory_check:
             estimate = check_memory(spec, train_cfg.micro_batch_size or train_cfg.batch_size, ranks.world,
@@ -130,7 +142,12 @@ class Worker:
                         "/dev/shm")
 
         self._phase = "joining"
-        dht = self._dht = start_dht(cfg.swarm) if ranks.leader else None
+        try:
+            dht = self._dht = start_dht(cfg.swarm) if ranks.leader else None
+        except BaseException:
+            if metrics is not None:
+                metrics.close()
+            raise
         try:
             publisher = self._join_swarm(dht, resumed, spec) if ranks.leader else None
             shard_index = ranks.broadcast(publisher.shard_index if publisher else None)
@@ -159,6 +176,8 @@ class Worker:
             model.activation_checkpointing = train_cfg.activation_checkpointing
             self.report.num_parameters = model.num_parameters()
             ranks.build_optimizer(model, cfg, dht, publisher)
+            if ranks.leader:
+                self.telemetry = self._open_telemetry(metrics, dht, publisher)
             if train_cfg.compile:  # after sharding: FSDP2's hooks are in place, and compiled around
                 compile_model(model)
             opt = ranks.optimizer
@@ -184,7 +203,7 @@ class Worker:
             self._phase = "training"
             loop = TrainLoop(train_cfg, ranks, self.report, stop=self._stop, show_progress=self.show_progress,
                              started=started, after_round=lambda: self._after_round(model, shards, evaluate),
-                             evaluate=evaluate if train_cfg.eval_every else None)
+                             evaluate=evaluate if train_cfg.eval_every else None, telemetry=self.telemetry)
             loop.run(model, batches, device)
             self._phase = "leaving"
             # only on a normal exit (done or signalled): after an exception the state may be half-updated
@@ -193,6 +212,10 @@ class Worker:
             self._phase = "leaving"
             if ranks.optimizer is not None:
                 ranks.optimizer.close()
+            if self.telemetry is not None:
+                self.telemetry.close()
+            elif metrics is not None:
+                metrics.close()
             if dht is not None:
                 stop_dht(dht)
             ranks.end()
@@ -240,6 +263,9 @@ class Worker:
             self.report.local_steps = opt.local_step
             self.report.state_download_s = time.monotonic() - started
             self.report.state_download = opt.last_download
+            if self.telemetry is not None and opt.last_download:
+                self.telemetry.state_taken(seconds=opt.last_download["seconds"],
+                                           num_bytes=opt.last_download["bytes"])
         return [r for r in opt.history[records_before:] if r.averaged]
 
     def _after_round(self, model: torch.nn.Module, shards: DataShardTracker, evaluate: Callable[[], float]) -> None:
@@ -266,7 +292,51 @@ class Worker:
         if outer is not None:
             schedule["outer_lr"] = outer.outer_optimizer.param_groups[0]["lr"]
         self.report.add_round(record, batches, eval_loss, eval_s, connections, schedule)
+        if self.telemetry is not None:
+            self.telemetry.round(self.report.rounds[-1])
         self._write_report()
+
+    # ------------------------------------------------------------------------------------------- observability
+
+    def _start_metrics(self, spec: ModelSpec):
+        """The Prometheus endpoint (--metrics-port), or None when it is off. Raises PortUnavailable for a taken port."""
+        observe = self.config.observe
+        if observe.metrics_port is None:
+            return None
+        from p2ptrain.observe.metrics import WorkerMetrics
+
+        metrics = WorkerMetrics(run_id=self.config.run_id, model=spec.identity,
+                                compression=self.config.diloco.compression)
+        try:
+            metrics.start(observe.metrics_host, observe.metrics_port)
+        except OSError as e:
+            raise listen_problem("--metrics-port", observe.metrics_host, observe.metrics_port, e) from None
+        self.metrics_port = metrics.port
+        logger.info(f"Prometheus metrics at {metrics.url(observe.metrics_host)}")
+        return metrics
+
+    def _open_telemetry(self, metrics, dht, publisher: ProgressPublisher) -> Telemetry:
+        """The leader's sinks: the metrics started earlier, the --log-to loggers, and the record dashboards read."""
+        opt = self.ranks.optimizer
+        outer = getattr(opt, "diloco", opt)  # a sharded peer's leader holds the swarm-side optimizer
+        averager = outer.averager
+        peer_id = self.report.peer_id
+        if metrics is not None:
+            metrics.set_peer(peer_id)
+            metrics.watch(peers_known=lambda: publisher.live_peers, bans_total=lambda: averager.bans_total,
+                          banned_now=lambda: len(averager.banned_peers), states_served=lambda: averager.states_served,
+                          state_bytes_served=lambda: averager.state_bytes_served)
+        loggers = None
+        if self.config.observe.log_to:
+            from p2ptrain.observe.loggers import TrainingLoggers, parse_log_to
+
+            loggers = TrainingLoggers([parse_log_to(spec) for spec in self.config.observe.log_to],
+                                      run_id=self.config.run_id, peer_id=peer_id, config=self.config.to_dict())
+            loggers.open()
+        sources = dict(banned=lambda: averager.banned_peers, states_served=lambda: averager.states_served,
+                       states_taken=lambda: outer.states_taken)
+        return Telemetry(metrics=metrics, loggers=loggers, publisher=TelemetryPublisher(dht, self.config.run_id),
+                         sources=sources)
 
     def _write_report(self) -> None:
         """Write the report (after start-up, after every round, at exit), so it can be watched. The leader writes it
@@ -317,28 +387,78 @@ class Worker:
 
 def run_bootstrap(
     swarm: SwarmConfig, *, maddrs_file: Optional[str], stop: threading.Event, status_interval_s: float = 60.0,
-    health_file: Optional[str] = None,
+    health_file: Optional[str] = None, run_id: str = "p2ptrain", observe: Optional[ObserveConfig] = None,
+    dashboard: Optional[Tuple[str, int]] = None, on_serving: Optional[Callable[[Dict[str, Any]], None]] = None,
 ) -> None:
     """A DHT-only peer: starts, prints its addresses, serves until ``stop`` is set, shuts down. Always a full
-    member: workers dial it to join, and it answers their reachability probes."""
-    dht = start_dht(dataclasses.replace(swarm, reachability="public"))
+    member: workers dial it to join, and it answers their reachability probes. With ``observe.metrics_port`` it
+    exports the swarm of ``run_id`` to Prometheus (read every ``SWARM_LOOK_S``); with ``dashboard`` ((host, port))
+    it serves the dashboard of that run. ``on_serving``: called with the servers' ports once all are up (tests)."""
+    observe = observe or ObserveConfig()
+    metrics = server = view = None
+    if observe.metrics_port is not None:  # before the DHT: a taken port is the user's to fix first
+        from p2ptrain.observe.metrics import SwarmMetrics
+
+        metrics = SwarmMetrics()
+        try:
+            metrics.start(observe.metrics_host, observe.metrics_port)
+        except OSError as e:
+            raise listen_problem("--metrics-port", observe.metrics_host, observe.metrics_port, e) from None
+    try:
+        dht = start_dht(dataclasses.replace(swarm, reachability="public"))
+    except BaseException:
+        if metrics is not None:
+            metrics.close()
+        raise
     peer_id = dht.peer_id.to_base58()
     heartbeat = None
     try:
+        if dashboard is not None:
+            from p2ptrain.observe.dashboard.server import DashboardServer
+            from p2ptrain.observe.swarm_view import SwarmView
+
+            view = SwarmView(dht, run_id, private=swarm.swarm_key_file is not None).start()
+            host, port = dashboard
+            try:
+                server = DashboardServer(view.snapshot, host=host, port=port, status=view.status).start()
+            except OSError as e:
+                raise listen_problem("--dashboard-port", host, port, e) from None
         maddrs = visible_maddrs(dht)
         print(f"bootstrap peer {peer_id} is up; workers join with --initial-peers and one of:")
         for maddr in maddrs:
             print(f"  {maddr}", flush=True)
+        if metrics is not None:
+            metrics.set_peer(peer_id)
+            print(f"Prometheus metrics of run {run_id!r} at {metrics.url(observe.metrics_host)}", flush=True)
+        if server is not None:
+            print(f"dashboard of run {run_id!r} at {server.url}", flush=True)
         if maddrs_file:  # atomically: a worker waiting for the file must never read half of it
             write_atomically(Path(maddrs_file), "".join(f"{m}\n" for m in maddrs))
         if health_file:
             heartbeat = Heartbeat(health_file, lambda: dict(role="bootstrap", phase="serving", peer_id=peer_id,
                                                             dht_alive=dht.is_alive())).start()
-        while not stop.wait(timeout=status_interval_s):
-            logger.info(f"bootstrap peer {peer_id} serving")
+        if on_serving is not None:
+            on_serving(dict(metrics_port=metrics.port if metrics else None,
+                            dashboard_port=server.port if server else None))
+        last_status = time.monotonic()
+        while not stop.wait(timeout=SWARM_LOOK_S if metrics is not None else status_interval_s):
+            if metrics is not None:
+                from p2ptrain.swarm.progress import fetch_progress
+
+                metrics.update(run_id, fetch_progress(dht, run_id, timeout_s=SWARM_LOOK_S))
+            if time.monotonic() - last_status >= status_interval_s:
+                logger.info(f"bootstrap peer {peer_id} serving")
+                last_status = time.monotonic()
     finally:
+        for closing in (server, view, metrics):
+            if closing is not None:
+                closing.close()
         if heartbeat is not None:
             heartbeat.stop("leaving")
         stop_dht(dht)
         if heartbeat is not None:
             heartbeat.beat(phase="left", dht_alive=False)
+
+
+SWARM_LOOK_S = 10.0
+"""how often a bootstrap peer with --metrics-port reads the run's progress records"""

@@ -124,12 +124,14 @@ class TrainLoop:
 
     def __init__(self, cfg: TrainConfig, ranks: PeerRanks, report: WorkerReport, *, stop: threading.Event,
                  after_round: Callable[[], None], show_progress: bool, started: float,
-                 evaluate: Optional[Callable[[], float]] = None):
+                 evaluate: Optional[Callable[[], float]] = None, telemetry=None):
         if cfg.eval_every is not None and evaluate is None:
             raise ValueError("train.eval_every is set but the TrainLoop was given no evaluate hook")
         self.cfg, self.ranks, self.report, self.stop = cfg, ranks, report, stop
         self.after_round, self.show_progress, self.started = after_round, show_progress, started
         self.evaluate = evaluate
+        self.telemetry = telemetry
+        """observe.telemetry.Telemetry on the leader (metrics, loggers, the dashboard record), or None"""
 
     def run(self, model: torch.nn.Module, batches: ShardedBatches, device: torch.device) -> None:
         cfg, ranks, report, opt = self.cfg, self.ranks, self.report, self.ranks.optimizer
@@ -186,6 +188,8 @@ class TrainLoop:
                 report.samples += cfg.batch_size
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss_value:.3f}", outer=opt.outer_step)
+                if self.telemetry is not None and ranks.leader:
+                    self._tell_step(loss_value, cfg.batch_size * x.shape[1])
 
                 if opt.outer_step != synced_before:
                     # a sync this peer took part in (averaged, or stepped alone); taking the swarm's state instead
@@ -218,9 +222,23 @@ class TrainLoop:
         """The held-out loss now (on every rank: a sharded forward), into the report and the log."""
         opt = self.ranks.optimizer
         entry = self.report.add_eval(local_step=opt.local_step, outer_step=opt.outer_step, eval_loss=self.evaluate())
+        if self.telemetry is not None and self.ranks.leader:
+            self.telemetry.eval(entry)
         if self.ranks.leader:
             logger.info(f"[{self.report.peer_id}] outer_step={opt.outer_step} local_step={opt.local_step} "
                         f"eval_loss={entry['eval_loss']:.4f} perplexity={entry['perplexity']:.2f}")
+
+    def _tell_step(self, loss_value: float, tokens: int) -> None:
+        """One inner step to the telemetry: loss, throughput, where the run is, the learning rates."""
+        opt = self.ranks.optimizer
+        outer = getattr(opt, "diloco", opt)  # a sharded peer's leader holds the swarm-side optimizer
+        outer_optimizer = getattr(outer, "outer_optimizer", None)
+        samples_per_s = getattr(opt, "samples_per_s", 0.0)
+        self.telemetry.step(local_step=opt.local_step, outer_step=opt.outer_step, loss=loss_value,
+                            samples=self.cfg.batch_size, tokens=tokens,
+                            tokens_per_s=samples_per_s * tokens / max(self.cfg.batch_size, 1),
+                            inner_lr=opt.param_groups[0]["lr"],
+                            outer_lr=outer_optimizer.param_groups[0]["lr"] if outer_optimizer is not None else None)
 
     def _log_line(self, loss_value: float) -> None:
         opt = self.ranks.optimizer

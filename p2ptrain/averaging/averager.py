@@ -8,7 +8,7 @@ import multiprocessing as mp
 import signal
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, AsyncIterator, Dict, Iterable, Optional, Sequence
+from typing import Any, AsyncIterator, Dict, Iterable, List, Optional, Sequence
 
 import torch
 from hivemind import DHT
@@ -124,6 +124,9 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         self.fragments = [list(f) for f in fragments] if fragments else [list(range(len(averaged_tensors)))]
         self._round_fragment = mp.Value(ctypes.c_int64, 0)
         self._group_lookups = mp.Value(ctypes.c_int64, 0)  # DHT lookups of the group key matchmaking made
+        # for metrics and the dashboard (host reads): exclusions made so far, and the ids excluded now
+        self._bans_total = mp.Value(ctypes.c_int64, 0)
+        self._banned_ids = mp.Array(ctypes.c_char, MAX_PEER_LIST_BYTES)
         self._init_state_transfer()
 
     @property
@@ -144,6 +147,16 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
     def group_lookups(self) -> int:
         """DHT lookups of the declared potential leaders that this averager's matchmaking made so far."""
         return int(self._group_lookups.value)
+
+    @property
+    def bans_total(self) -> int:
+        """Peers this averager excluded for misbehaving so far (an exclusion extended counts once)."""
+        return int(self._bans_total.value)
+
+    @property
+    def banned_peers(self) -> List[str]:
+        """Base58 ids of the peers excluded now, as of the last exclusion (one that expired since may be listed)."""
+        return _split_ids(self._banned_ids.value)
 
     @property
     def last_failed_members(self) -> set:
@@ -200,7 +213,10 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
             reason = self._banned[peer][1]  # already excluded: extend, keep the first reason
         else:
             logger.warning(f"excluding peer {peer} from this run for {BAN_S:.0f}s: {reason}")
+            self._bans_total.value += 1
         self._banned[peer] = (time.monotonic() + BAN_S, reason)
+        live = [p for p in list(self._banned) if self.is_banned(p)]
+        self._banned_ids.value = _joined_ids([p.to_base58() for p in live], MAX_PEER_LIST_BYTES - 1)
 
     def is_banned(self, peer: PeerID) -> bool:
         until, _ = self._banned.get(peer, (None, ""))

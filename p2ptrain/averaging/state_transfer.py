@@ -130,8 +130,21 @@ class StateTransferMixin:
         self._snapshot_lock: Optional[asyncio.Lock] = None
         self._host_outer_step = mp.Value(ctypes.c_int64, -1)
         self._chunks_served = 0
+        # for metrics and the dashboard (host reads): state transfers answered (a newcomer asks each donor for the
+        # snapshot's description once) and the bytes of state served
+        self._states_served = mp.Value(ctypes.c_int64, 0)
+        self._state_bytes_served = mp.Value(ctypes.c_int64, 0)
         self._fault = fault_from_env()
         self._state_refused: Set[PeerID] = set()
+
+    @property
+    def states_served(self) -> int:
+        """State transfers this donor answered (one per newcomer that asked it), and the bytes it served."""
+        return int(self._states_served.value)
+
+    @property
+    def state_bytes_served(self) -> int:
+        return int(self._state_bytes_served.value)
 
     def set_host_outer_step(self, outer_step: int) -> None:
         """Tell the averager process the host's current outer step: a snapshot of an older one gets replaced."""
@@ -157,6 +170,7 @@ class StateTransferMixin:
         if not self.allow_state_sharing or self._refuses_state_to(request, context):
             return p2ptrain_pb2.StateInfo(available=False)
         snapshot = await self._current_snapshot()
+        self._states_served.value += 1
         return p2ptrain_pb2.StateInfo(
             available=True,
             outer_step=snapshot.outer_step,
@@ -182,6 +196,7 @@ class StateTransferMixin:
         start = request.index * CHUNK_VALUES
         values = snapshot.flat[start:start + CHUNK_VALUES].numpy().tobytes()
         self._chunks_served += 1
+        self._state_bytes_served.value += len(values)
         if self._fault and self._fault.kind == "state" and self._chunks_served > self._fault.count:
             logger.warning(f"fault injection: dying after serving {self._fault.count} state chunks")
             kill_this_peer()

@@ -19,10 +19,12 @@ import click
 
 from p2ptrain import __version__
 # light on purpose (no torch, no hivemind): every import at this level runs before --help can print
-from p2ptrain.cli.logs import _TqdmHandler, setup_hivemind_logging, setup_logging  # noqa: F401 (tests use it)
+from p2ptrain.cli.logs import LOG_FORMATS, _TqdmHandler, setup_hivemind_logging, setup_logging  # noqa: F401
 from p2ptrain.cli.options import (EXIT_BAD_INPUT, HEALTH_FILE_OPTION, RUN_OPTIONS, BadInput, draw_bars,  # noqa: F401
                                   load_run_config, run_options)
 from p2ptrain.cli.processes import EXIT_FORCED, install_stop_handlers, run_ranks
+from p2ptrain.cli.observe import check_observe_input, dashboard, dashboard_options
+from p2ptrain.cli.plot import plot
 from p2ptrain.cli.status import fetch_status, print_status
 from p2ptrain.config import HUB_ID_PATTERN, multi_rank_problem
 
@@ -35,26 +37,34 @@ logger = logging.getLogger("p2ptrain.cli")
 @click.group(context_settings=dict(show_default=True, max_content_width=110))
 @click.version_option(__version__, prog_name="p2ptrain")
 @click.option("-v", "--verbose", is_flag=True, envvar="P2PTRAIN_VERBOSE", help="Debug logging, hivemind's too.")
+@click.option("--log-format", type=click.Choice(LOG_FORMATS), default="human", envvar="P2PTRAIN_LOG_FORMAT",
+              show_envvar=True, help="human: one line per event; json: one JSON object per line (for log shippers). "
+                                     "Give it before the command: p2ptrain --log-format json join ...")
 @click.pass_context
-def cli(ctx: click.Context, verbose: bool) -> None:
+def cli(ctx: click.Context, verbose: bool, log_format: str) -> None:
     """Decentralized low-communication training: DiLoCo over a hivemind DHT."""
-    setup_logging(verbose)
+    setup_logging(verbose, log_format)
 
 
 @cli.command()
-@run_options(only={"swarm.initial_peers", "swarm.initial_peers_file", "swarm.host_maddrs", "swarm.announce_maddrs",
-                   "swarm.identity_path", "swarm.use_relay", "swarm.bootstrap_timeout_s", "swarm.swarm_key_file"})
+@run_options(only={"run_id", "swarm.initial_peers", "swarm.initial_peers_file", "swarm.host_maddrs",
+                   "swarm.announce_maddrs", "swarm.identity_path", "swarm.use_relay", "swarm.bootstrap_timeout_s",
+                   "swarm.swarm_key_file", "observe.metrics_port", "observe.metrics_host"})
 @click.option("--maddrs-file", type=click.Path(dir_okay=False, writable=True), envvar="P2PTRAIN_MADDRS_FILE",
               show_envvar=True, help="Also write the visible multiaddrs to this file, one per line.")
 @click.option("--config", "config_path", type=click.Path(), envvar="P2PTRAIN_CONFIG", show_envvar=True,
-              help="TOML config file (its [swarm] table is used).")
+              help="TOML config file (its [swarm] and [observe] tables are used).")
 @HEALTH_FILE_OPTION
+@dashboard_options(prefix="dashboard-")
 @click.pass_context
 def bootstrap(ctx: click.Context, maddrs_file: Optional[str], config_path: Optional[str], health_file: Optional[str],
-              **params) -> None:
-    """Run a DHT-only bootstrap peer (no model) until SIGINT/SIGTERM."""
+              dashboard_port: Optional[int], dashboard_host: str, **params) -> None:
+    """Run a DHT-only bootstrap peer (no model) until SIGINT/SIGTERM. With --metrics-port it exports the swarm of
+    --run-id (peers by mode, outer step) to Prometheus; with --dashboard-port it serves the swarm's dashboard."""
     config = load_run_config(ctx, config_path, params)  # first: a bad flag is reported before the heavy imports
+    check_observe_input(config.observe, dashboard_port=dashboard_port)
     from p2ptrain.config import expand_hostname
+    from p2ptrain.observe import PortUnavailable
     from p2ptrain.peer import run_bootstrap
     from p2ptrain.swarm.dht import SwarmError
 
@@ -63,8 +73,9 @@ def bootstrap(ctx: click.Context, maddrs_file: Optional[str], config_path: Optio
     install_stop_handlers(stop.set)
     try:
         run_bootstrap(config.swarm, maddrs_file=maddrs_file, stop=stop,
-                      health_file=expand_hostname(health_file))
-    except SwarmError as e:
+                      health_file=expand_hostname(health_file), run_id=config.run_id, observe=config.observe,
+                      dashboard=(dashboard_host, dashboard_port) if dashboard_port is not None else None)
+    except (SwarmError, PortUnavailable) as e:
         raise BadInput(str(e)) from None
 
 
@@ -87,6 +98,7 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
          health_file: Optional[str], nproc_per_node: int, **params) -> None:
     """Join a run as a training peer."""
     config = load_run_config(ctx, config_path, params)  # first: a bad flag is reported before the heavy imports
+    check_observe_input(config.observe)
     if nproc_per_node > 1 and "LOCAL_RANK" not in os.environ and multi_rank_problem(config.train, nproc_per_node):
         raise BadInput(multi_rank_problem(config.train, nproc_per_node))  # a config check: no torch needed
     for path in config.train.data:  # data.py says the same, after the heavy imports (5 s later)
@@ -95,6 +107,7 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
                            "files, folders of them, or a Hugging Face dataset (owner/name)")
     from p2ptrain.checkpoint import CheckpointError
     from p2ptrain.config import ConfigError, expand_hostname
+    from p2ptrain.observe import MissingExtra, PortUnavailable
     from p2ptrain.data import DataError
     from p2ptrain.peer import Worker
     from p2ptrain.swarm.dht import SwarmError
@@ -116,7 +129,7 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
     install_stop_handlers(worker.request_stop)
     try:
         report = worker.run()
-    except (CheckpointError, ConfigError, DataError, RunMismatch, SwarmError) as e:
+    except (CheckpointError, ConfigError, DataError, RunMismatch, SwarmError, PortUnavailable, MissingExtra) as e:
         raise BadInput(str(e)) from None
     global _SKIP_FINALIZATION
     _SKIP_FINALIZATION = True  # a worker that trained ends like a rank: see main
@@ -145,6 +158,10 @@ def status(ctx: click.Context, as_json: bool, **params) -> None:
         click.echo(json.dumps(found))
     else:
         print_status(found)
+
+
+cli.add_command(dashboard)
+cli.add_command(plot)
 
 
 @cli.command()

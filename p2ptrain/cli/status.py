@@ -15,7 +15,6 @@ def fetch_status(config: Any) -> Dict[str, Any]:
     """{"run_id", "peers": [one dict per live peer], "public_peers", "coverage"} of the run ``config`` names (a
     RunConfig; its swarm settings are changed to those of a short-lived client)."""
     from p2ptrain.swarm.dht import SwarmError, start_dht, stop_dht
-    from p2ptrain.swarm.progress import fetch_progress
 
     swarm = config.swarm
     swarm.reachability, swarm.host_maddrs = "client", ["/ip4/0.0.0.0/tcp/0"]
@@ -24,13 +23,18 @@ def fetch_status(config: Any) -> Dict[str, Any]:
     except SwarmError as e:
         raise BadInput(str(e)) from None
     try:
-        records = fetch_progress(dht, config.run_id)
-        from p2ptrain.swarm.shards import coverage, cursor_progress, fetch_cursors
-
-        cursors = fetch_cursors(dht, config.run_id)
+        return read_status(dht, config.run_id)
     finally:
         stop_dht(dht)
 
+
+def read_status(dht: Any, run_id: str) -> Dict[str, Any]:
+    """``fetch_status``'s answer, read through a running DHT (the dashboard keeps one)."""
+    from p2ptrain.swarm.progress import fetch_progress
+    from p2ptrain.swarm.shards import coverage, cursor_progress, fetch_cursors
+
+    records = fetch_progress(dht, run_id)
+    cursors = fetch_cursors(dht, run_id)
     peers = [
         dict(peer_id=r.peer_id, outer_step=r.outer_step, local_step=r.local_step,
              samples_per_s=round(r.samples_per_s, 2), last_seen=round(r.timestamp, 3),
@@ -48,7 +52,7 @@ def fetch_status(config: Any) -> Dict[str, Any]:
         cursor = cursors.get(r.shard_index) if r.HasField("shard_index") else None
         p["shard"] = r.shard_index if r.HasField("shard_index") else None
         p["shard_passes"] = round(cursor_progress(cursor), 3) if cursor is not None else 0.0
-    return {"run_id": config.run_id, "peers": peers, "public_peers": public, "coverage": data_seen}
+    return {"run_id": run_id, "peers": peers, "public_peers": public, "coverage": data_seen}
 
 
 def print_status(status: Dict[str, Any]) -> None:

@@ -214,6 +214,8 @@ class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torc
         """how long serving the last snapshot to newcomers held up this peer's training (the state lock)"""
         self.last_download: Optional[dict] = None
         """how the last state download went: seconds, bytes, chunks per donor, donors that failed"""
+        self.states_taken, self.state_bytes_taken = 0, 0
+        """state downloads this peer completed, and their bytes (metrics)"""
         self.throughput = Throughput()
         self.catch_up_mid_phase = catch_up_mid_phase
         self._no_donor_at_outer_step = -1  # a mid-phase catch-up found no donor at this outer step: wait for the sync

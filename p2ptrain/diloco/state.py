@@ -262,6 +262,8 @@ class StateSharingMixin:
             self._digest = self._global_digest()
             self._reset_residuals()  # our rounding residual belongs to a trajectory this peer just left
         self.averager.set_host_outer_step(self.outer_step)
+        self.states_taken += 1
+        self.state_bytes_taken += downloaded.num_bytes
         self.last_download = {
             "seconds": time.perf_counter() - started,
             "bytes": downloaded.num_bytes,

@@ -170,6 +170,8 @@ class ProgressPublisher:
         """also read the live peers' records with every heartbeat, into ``swarm_outer_step`` (off the training
         thread: DiLoCoOptimizer looks at it every inner step to catch up as soon as the swarm moved on)"""
         self.swarm_outer_step = -1
+        self.live_peers: Optional[int] = None
+        """live peers of the run at the last look, this one included (None: not watching, or no look yet)"""
         self.others_seen_at = -math.inf
         """when a look at the records (the heartbeat's, or a round's) last showed another live peer of the run"""
         """the highest outer step among the other live peers at the last look (-1: none, or not watching)"""
@@ -206,6 +208,7 @@ class ProgressPublisher:
                 me = self.dht.peer_id.to_base58()
                 others = [r for r in fetch_progress(self.dht, self.run_id, timeout_s=self.period_s) if r.peer_id != me]
                 self.swarm_outer_step = max((r.outer_step for r in others), default=-1)
+                self.live_peers = len(others) + 1
                 known = [r.step_s for r in others if r.step_s > 0]
                 if known:  # a failed or empty read is no news: the last value stands
                     self.fastest_step_s = min(known)
