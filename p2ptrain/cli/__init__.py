@@ -19,7 +19,7 @@ import click
 
 from p2ptrain import __version__
 # light on purpose (no torch, no hivemind): every import at this level runs before --help can print
-from p2ptrain.cli.logs import LOG_FORMATS, _TqdmHandler, setup_hivemind_logging, setup_logging  # noqa: F401
+from p2ptrain.cli.logs import LOG_FORMATS, _TqdmHandler, setup_hivemind_logging, setup_logging  # noqa: F401 (tests)
 from p2ptrain.cli.options import (EXIT_BAD_INPUT, HEALTH_FILE_OPTION, RUN_OPTIONS, BadInput, draw_bars,  # noqa: F401
                                   load_run_config, run_options)
 from p2ptrain.cli.processes import EXIT_FORCED, install_stop_handlers, run_ranks
@@ -108,6 +108,7 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
     from p2ptrain.checkpoint import CheckpointError
     from p2ptrain.config import ConfigError, expand_hostname
     from p2ptrain.observe import MissingExtra, PortUnavailable
+    from p2ptrain.observe.loggers import LogToError
     from p2ptrain.data import DataError
     from p2ptrain.peer import Worker
     from p2ptrain.swarm.dht import SwarmError
@@ -129,7 +130,8 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
     install_stop_handlers(worker.request_stop)
     try:
         report = worker.run()
-    except (CheckpointError, ConfigError, DataError, RunMismatch, SwarmError, PortUnavailable, MissingExtra) as e:
+    except (CheckpointError, ConfigError, DataError, RunMismatch, SwarmError, PortUnavailable, MissingExtra,
+            LogToError) as e:
         raise BadInput(str(e)) from None
     global _SKIP_FINALIZATION
     _SKIP_FINALIZATION = True  # a worker that trained ends like a rank: see main
