@@ -30,7 +30,9 @@ from p2ptrain.averaging.state_transfer import flatten_state, unflatten_state
 from p2ptrain.data import ShardedBatches
 from p2ptrain.diloco import DiLoCoOptimizer, _digest_of
 from p2ptrain.proto import p2ptrain_pb2
-from p2ptrain.proto.p2ptrain_pb2 import PeerProgress, ShardCursor
+from p2ptrain.observe.telemetry import (MAX_BANNED, MAX_EVALS, MAX_LOSSES, MAX_RECORD_BYTES, MAX_ROUNDS,
+                                        parse_telemetry)
+from p2ptrain.proto.p2ptrain_pb2 import LossPoint, PeerProgress, PeerTelemetry, ShardCursor
 from p2ptrain.swarm.progress import parse_progress
 from p2ptrain.swarm.shards import cursor_state, parse_cursor
 
@@ -311,6 +313,33 @@ def test_a_mangled_serialized_message_fails_to_parse_or_is_refused(name, data):
     extract_or_reject(codec, msg)
 
 
+# ----------------------------------------------------------------------------------------- telemetry records
+
+@settings(FUZZ, max_examples=200)
+@given(data=st.data(), subkey_peer=st.sampled_from([PEER.to_base58(), OTHER.to_base58(), None]),
+       raw=st.one_of(st.none(), st.binary(max_size=300)), extra_losses=st.integers(0, 3))
+def test_parse_telemetry_accepts_exactly_the_sound_records(data, subkey_peer, raw, extra_losses):
+    """A dashboard reads other peers' telemetry records: a record is accepted only if it parses, names the peer whose
+    subkey it is under and the run, and keeps to the window's limits; anything else is None, never an exception."""
+    if raw is None:
+        fields = data.draw(fields_of(PeerTelemetry))
+        fields["run_id"] = data.draw(st.sampled_from(["r", "other"]))
+        fields["peer_id"] = data.draw(st.sampled_from([PEER.to_base58(), OTHER.to_base58()]))
+        record = PeerTelemetry(**fields)
+        record.losses.extend([LossPoint(local_step=i) for i in range(MAX_LOSSES * (extra_losses == 3))])
+        raw = record.SerializeToString()
+    try:
+        decoded = PeerTelemetry.FromString(raw)
+    except DecodeError:
+        decoded = None
+    parsed = parse_telemetry(raw, "r", subkey_peer)
+    sound = (decoded is not None and decoded.peer_id == subkey_peer and decoded.run_id == "r"
+             and len(decoded.losses) <= MAX_LOSSES and len(decoded.evals) <= MAX_EVALS
+             and len(decoded.rounds) <= MAX_ROUNDS and len(decoded.banned) <= MAX_BANNED)
+    assert (parsed is not None) == sound
+    assert parse_telemetry(b"\n" + b"\x00" * MAX_RECORD_BYTES, "r", subkey_peer) is None  # too large to read
+
+
 # ----------------------------------------------------------------------------------------- progress records
 
 @settings(FUZZ, max_examples=300)
@@ -556,10 +585,15 @@ SCALAR_FIELDS = {
 
 
 def fields_of(message_type) -> st.SearchStrategy[dict]:
-    """Any subset of the message's fields, each with any value of its type (a new field type fails here)."""
+    """Any subset of the message's fields, each with any value of its type, a nested message's fields drawn the same
+    way (a new field type fails here)."""
     optional = {}
     for field in message_type.DESCRIPTOR.fields:
-        value = SCALAR_FIELDS[field.type]
+        if field.type == FieldDescriptor.TYPE_MESSAGE:
+            nested = getattr(p2ptrain_pb2, field.message_type.name)
+            value = fields_of(nested).map(lambda kwargs, nested=nested: nested(**kwargs))
+        else:
+            value = SCALAR_FIELDS[field.type]
         optional[field.name] = st.lists(value, max_size=4) if field.is_repeated else value
     return st.fixed_dictionaries({}, optional=optional)
 
