@@ -76,8 +76,10 @@ class SwarmView:
         from p2ptrain.cli.status import read_status
         from p2ptrain.observe.telemetry import fetch_telemetry
 
-        status = read_status(self.dht, self.run_id)
-        telemetry = fetch_telemetry(self.dht, self.run_id)
+        self.merge(read_status(self.dht, self.run_id), fetch_telemetry(self.dht, self.run_id))
+
+    def merge(self, status: Dict[str, Any], telemetry: Dict[str, Any]) -> None:
+        """Take one read: ``status`` as ``read_status`` gives it, ``telemetry`` as ``fetch_telemetry`` does."""
         with self._lock:
             self._status = status
             self._telemetry.update(telemetry)  # a peer's last record stays, for as long as the peer is listed
