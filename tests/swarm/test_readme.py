@@ -79,6 +79,13 @@ NOT_RUN: Dict[str, str] = {
         "needs a Hugging Face model folder and a corpus; the same path (a Llama folder, jsonl data, --seq-len, the "
         "LR schedule, export, from_pretrained, generate) runs with a tiny Llama and data made in the test in "
         "tests/swarm/test_hf_models.py (slow)",
+    r"pip install 'p2ptrain\[metrics,tensorboard,wandb\]'": "installs packages from the registry; `make setup` "
+                                                            "installs these extras for the tests",
+    r"p2ptrain (bootstrap --run-id exp1 --metrics-port|join --metrics-port|dashboard --initial-peers ADDR|plot "
+    r"w1\.json|--log-format json join) .*":
+        "the same flags run in tests/swarm/test_observe.py (a bootstrap with --metrics-port and --dashboard-port, "
+        "workers with --metrics-port and --log-to tensorboard, the dashboard command rendered in Chromium), "
+        "tests/unit/test_loggers.py (W&B offline), tests/unit/test_plot.py and tests/unit/test_log_format.py",
     r"(sudo )?docker.*|cd docker": "needs a Docker engine (root, debootstrap, a kernel that runs containers); the "
                                    "same build, compose up/scale/kill/stop/down and `p2ptrain status` in a container "
                                    "are run by tests/docker/test_compose.py (make test-docker, in CI where a Docker "
