@@ -441,11 +441,13 @@ def run_bootstrap(
             on_serving(dict(metrics_port=metrics.port if metrics else None,
                             dashboard_port=server.port if server else None))
         last_status = time.monotonic()
-        while not stop.wait(timeout=SWARM_LOOK_S if metrics is not None else status_interval_s):
+        while True:
             if metrics is not None:
                 from p2ptrain.swarm.progress import fetch_progress
 
                 metrics.update(run_id, fetch_progress(dht, run_id, timeout_s=SWARM_LOOK_S))
+            if stop.wait(timeout=SWARM_LOOK_S if metrics is not None else status_interval_s):
+                break
             if time.monotonic() - last_status >= status_interval_s:
                 logger.info(f"bootstrap peer {peer_id} serving")
                 last_status = time.monotonic()

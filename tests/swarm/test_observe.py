@@ -133,10 +133,10 @@ def test_metrics_mid_run_match_the_workers_reports_and_the_bootstrap_counts_the_
         info = [labels for (name, labels) in metrics if name == "p2ptrain_worker_info"]
         assert dict(info[0])["peer_id"] == written["peer_id"] and dict(info[0])["run_id"] == RUN
 
-    def swarm_counted() -> bool:
+    def swarm_counted() -> bool:  # the bootstrap reads the records every 10 s
         seen = scrape(swarm["boot_metrics"])
-        return value(seen, "p2ptrain_swarm_peers", run_id=RUN, mode="public") == 2 and \
-            value(seen, "p2ptrain_swarm_outer_step", run_id=RUN) >= 2
+        return seen.get(("p2ptrain_swarm_peers", (("mode", "public"), ("run_id", RUN)))) == 2 and \
+            seen.get(("p2ptrain_swarm_outer_step", (("run_id", RUN),)), 0) >= 2
 
     wait_until(swarm_counted, "the bootstrap's gauges count both workers", 30, procs=procs)
     boot = scrape(swarm["boot_metrics"])
