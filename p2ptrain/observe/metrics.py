@@ -131,6 +131,10 @@ class WorkerMetrics(MetricsServer):
                                           "seconds of syncs by phase (matchmaking, allreduce, pseudo_gradient, "
                                           "outer_step, digest, ...; state_transfer for downloads)",
                                           ["phase"], registry=r)
+        self.allreduce_cpu = prom.Counter("p2ptrain_allreduce_cpu_seconds",
+                                          "CPU seconds inside all-reduces by part (encode, decode, checks of the "
+                                          "received parts, write), spread over threads that overlap the wire",
+                                          ["part"], registry=r)
         self.sent = prom.Counter("p2ptrain_sync_sent_bytes", "bytes this peer sent in all-reduces", registry=r)
         self.received = prom.Counter("p2ptrain_sync_received_bytes", "bytes this peer received in all-reduces",
                                      registry=r)
@@ -185,7 +189,9 @@ class WorkerMetrics(MetricsServer):
         if not entry.get("caught_up"):  # a catch-up's seconds are the state transfer's, counted by state_taken
             self.sync_seconds.observe(entry.get("seconds", 0.0))
             for phase, seconds in entry.get("phases", {}).items():
-                if "." not in phase:  # the all-reduce's inner split overlaps the wire: not a phase of its own
+                if phase.startswith("allreduce."):  # the all-reduce's inner split overlaps the wire: its own metric
+                    self.allreduce_cpu.labels(part=phase.split(".", 1)[1]).inc(max(seconds, 0.0))
+                else:
                     self.phase_seconds.labels(phase=phase).inc(max(seconds, 0.0))
         self.sent.inc(entry.get("bytes_sent", 0))
         self.received.inc(entry.get("bytes_received", 0))

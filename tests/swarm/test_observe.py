@@ -128,6 +128,8 @@ def test_metrics_mid_run_match_the_workers_reports_and_the_bootstrap_counts_the_
         assert value(metrics, "p2ptrain_samples_total") == 16 * steps  # the default batch size
         assert value(metrics, "p2ptrain_tokens_total") == 16 * steps * TINY_SEQ_LEN
         assert value(metrics, "p2ptrain_sync_phase_seconds_total", phase="allreduce") > 0
+        assert value(metrics, "p2ptrain_allreduce_cpu_seconds_total", part="checks") == pytest.approx(
+            sum(r["phases"].get("allreduce.checks", 0.0) for r in rounds))
         assert value(metrics, "p2ptrain_peers_known") == 2
         assert value(metrics, "p2ptrain_peer_bans_total") == 0
         info = [labels for (name, labels) in metrics if name == "p2ptrain_worker_info"]
