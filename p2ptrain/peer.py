@@ -325,7 +325,8 @@ class Worker:
             metrics.set_peer(peer_id)
             metrics.watch(peers_known=lambda: publisher.live_peers, bans_total=lambda: averager.bans_total,
                           banned_now=lambda: len(averager.banned_peers), states_served=lambda: averager.states_served,
-                          state_bytes_served=lambda: averager.state_bytes_served)
+                          state_bytes_served=lambda: averager.state_bytes_served,
+                          group_lookups=lambda: averager.group_lookups)
         loggers = None
         if self.config.observe.log_to:
             from p2ptrain.observe.loggers import TrainingLoggers, parse_log_to

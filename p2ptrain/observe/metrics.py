@@ -154,7 +154,7 @@ class WorkerMetrics(MetricsServer):
 
     def watch(self, *, peers_known: Callable[[], Optional[float]], bans_total: Callable[[], Optional[float]],
               banned_now: Callable[[], Optional[float]], states_served: Callable[[], Optional[float]],
-              state_bytes_served: Callable[[], Optional[float]]) -> None:
+              state_bytes_served: Callable[[], Optional[float]], group_lookups: Callable[[], Optional[float]]) -> None:
         """Attach what is read when Prometheus scrapes (the optimizer and its averager process keep these)."""
         self.read_at_scrape("p2ptrain_peers_known", "live peers of the run at the last look, this one included",
                             peers_known)
@@ -164,6 +164,8 @@ class WorkerMetrics(MetricsServer):
                             states_served, counter=True)
         self.read_at_scrape("p2ptrain_state_served_bytes", "bytes of state served to newcomers", state_bytes_served,
                             counter=True)
+        self.read_at_scrape("p2ptrain_group_lookups", "DHT lookups of a round's group key made by matchmaking",
+                            group_lookups, counter=True)
 
     def step(self, *, loss: float, samples: int, tokens: int, tokens_per_s: float, local_step: int, outer_step: int,
              inner_lr: Optional[float], outer_lr: Optional[float]) -> None:

@@ -132,6 +132,7 @@ def test_metrics_mid_run_match_the_workers_reports_and_the_bootstrap_counts_the_
             sum(r["phases"].get("allreduce.checks", 0.0) for r in rounds))
         assert value(metrics, "p2ptrain_peers_known") == 2
         assert value(metrics, "p2ptrain_peer_bans_total") == 0
+        assert value(metrics, "p2ptrain_group_lookups_total") >= 1  # matchmaking read the group key
         info = [labels for (name, labels) in metrics if name == "p2ptrain_worker_info"]
         assert dict(info[0])["peer_id"] == written["peer_id"] and dict(info[0])["run_id"] == RUN
 
