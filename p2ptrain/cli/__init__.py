@@ -248,8 +248,18 @@ def _streaming_schedule(text: str) -> tuple:
 @click.option("--convergence", "convergence_steps", type=click.IntRange(min=1), multiple=True,
               help="Instead: the convergence experiment at this many inner steps (repeatable): alone, data-parallel "
                    "with --peers x the batch, DiLoCo per --local-steps and --compression, and the real swarm.")
+@click.option("--scale", "scale_peers", type=click.IntRange(min=2), multiple=True,
+              help="Instead: N tiny-model workers started at once on loopback (repeatable: --scale 4 --scale 8): "
+                   "round time split, bytes, groups, lookups, peers seen, CPU and memory per peer, final models; "
+                   "--outer-steps syncs each. Writes scale.json, scale.md, scale.png in --out.")
+@click.option("--scale-local-steps", type=click.IntRange(min=1), default=10, show_default=True,
+              help="--scale: inner steps between syncs.")
+@click.option("--scale-timeout", type=click.FloatRange(min=10), default=600.0, show_default=True,
+              help="--scale: seconds one N may take, start-up included; then every daemon is stopped and the N "
+                   "counts as failed.")
 def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, batch_size, out, behind_nat, groupings,
-          streaming, throttles, cpu_per_peer, solo, loopback, clean_only, convergence_steps) -> None:
+          streaming, throttles, cpu_per_peer, solo, loopback, clean_only, convergence_steps, scale_peers,
+          scale_local_steps, scale_timeout) -> None:
     """Benchmark real swarms over rate-limited links (one network namespace per peer; root needed, else
     loopback): compute utilization, bytes on the wire, sync seconds against the bandwidth bound, eval loss."""
     from pathlib import Path
@@ -270,6 +280,27 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
         if name not in COMPRESSIONS:
             raise BadInput(f"--compression {name!r} is unknown; use one of: {', '.join(COMPRESSIONS)}")
     schedules = [_streaming_schedule(text) for text in streaming]
+    if scale_peers:
+        from p2ptrain.bench.scale import run_scale
+        from p2ptrain.observe import MissingExtra, require
+
+        try:  # the workers' --metrics-port and the plot: say what is missing before 4-32 workers start
+            require("prometheus_client", extra="metrics", feature="bench --scale")
+            require("matplotlib", extra="bench", feature="bench --scale")
+        except MissingExtra as e:
+            raise BadInput(str(e)) from None
+        try:
+            report = run_scale(list(scale_peers), out=Path(out), local_steps=scale_local_steps,
+                               outer_steps=outer_steps, timeout_s=scale_timeout, echo=click.echo)
+        except KeyboardInterrupt:
+            click.echo(f"interrupted: the daemons are stopped; figures so far in {out}/scale.md", err=True)
+            sys.exit(130)
+        click.echo(f"report: {Path(out) / 'scale.md'} (and scale.json, scale.png)")
+        failed = [f"N={r['peers']} ({r['status']})" for r in report["results"] if r["status"] != "ok"]
+        if failed:
+            click.echo(f"Error: {', '.join(failed)} did not finish; see the problems in {out}/scale.md", err=True)
+            sys.exit(1)
+        return
     if convergence_steps:
         from p2ptrain.bench.convergence import Setup, write_convergence
 
