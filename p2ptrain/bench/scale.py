@@ -580,7 +580,9 @@ def run_one(cfg: ScaleConfig, out: Path, echo: Callable[[str], None] = print) ->
 def run_scale(peer_counts: Sequence[int], *, out: Path, local_steps: int = 10, outer_steps: int = 3,
               timeout_s: float = 600.0, echo: Callable[[str], None] = print) -> Dict[str, Any]:
     """Each N in turn (a fresh bootstrap peer and run for each); scale.json, scale.md and scale.png are rewritten
-    after every N. A SIGTERM stops the daemons as a Ctrl-C does."""
+    after every N. A SIGTERM stops the daemons as a Ctrl-C does, and a SIGINT does so even where it was inherited
+    ignored (a job started in the background by a non-interactive shell, as CI starts it: Python then installs no
+    KeyboardInterrupt handler of its own)."""
     out.mkdir(parents=True, exist_ok=True)
     results: List[Dict[str, Any]] = []
     report = {"memory_budget_bytes": MEMORY_BUDGET_BYTES, "results": results}
@@ -588,7 +590,7 @@ def run_scale(peer_counts: Sequence[int], *, out: Path, local_steps: int = 10, o
     def terminate(signum, frame):
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, terminate)
+    previous = {sig: signal.signal(sig, terminate) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         for n in peer_counts:
             cfg = ScaleConfig(peers=n, local_steps=local_steps, outer_steps=outer_steps, timeout_s=timeout_s)
@@ -602,7 +604,8 @@ def run_scale(peer_counts: Sequence[int], *, out: Path, local_steps: int = 10, o
             if result["status"] == "interrupted":
                 raise KeyboardInterrupt
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return report
 
 

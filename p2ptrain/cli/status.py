@@ -28,12 +28,13 @@ def fetch_status(config: Any) -> Dict[str, Any]:
         stop_dht(dht)
 
 
-def read_status(dht: Any, run_id: str) -> Dict[str, Any]:
-    """``fetch_status``'s answer, read through a running DHT (the dashboard keeps one)."""
+def read_status(dht: Any, run_id: str, *, strict: bool = False) -> Dict[str, Any]:
+    """``fetch_status``'s answer, read through a running DHT (the dashboard keeps one); ``strict``: a failed read of
+    the progress records raises (see ``fetch_progress``)."""
     from p2ptrain.swarm.progress import fetch_progress
     from p2ptrain.swarm.shards import coverage, cursor_progress, fetch_cursors
 
-    records = fetch_progress(dht, run_id)
+    records = fetch_progress(dht, run_id, strict=strict)
     cursors = fetch_cursors(dht, run_id)
     peers = [
         dict(peer_id=r.peer_id, outer_step=r.outer_step, local_step=r.local_step,

@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 MAX_POINTS_PER_PEER = 2000
 MAX_ROUNDS = 2000
 STALE_AFTER_S = 20.0
-"""a progress record older than this is stale: records are refreshed every 5 s and expire after 15 s"""
+"""a peer whose progress record is older than this is stale: records are refreshed every 5 s and expire after 15 s.
+Younger, it is live even when the last read missed its record"""
 STALE_KEEP_S = 300.0
 """a peer whose records are gone is still listed (stale) this long"""
 
@@ -76,7 +77,9 @@ class SwarmView:
         from p2ptrain.cli.status import read_status
         from p2ptrain.observe.telemetry import fetch_telemetry
 
-        self.merge(read_status(self.dht, self.run_id), fetch_telemetry(self.dht, self.run_id))
+        # strict: a read that failed (a timeout under load) must not show a live swarm as empty; the loop keeps the
+        # last answer and says so
+        self.merge(read_status(self.dht, self.run_id, strict=True), fetch_telemetry(self.dht, self.run_id))
 
     def merge(self, status: Dict[str, Any], telemetry: Dict[str, Any]) -> None:
         """Take one read: ``status`` as ``read_status`` gives it, ``telemetry`` as ``fetch_telemetry`` does."""
@@ -111,14 +114,22 @@ class SwarmView:
     # ----------------------------------------------------------------------------------------------- answers
 
     def status(self) -> Dict[str, Any]:
+        """``status --json``'s object over the live peers as this view holds them: the peers of recent reads whose
+        records are fresh, not only those of the last read (which under load can miss some or all of them)."""
         with self._lock:
-            return dict(self._status)
+            now = time.time()
+            peers = [{k: v for k, v in seen.items() if k != "seen_at"} for _, seen in sorted(self._last_peers.items())
+                     if now - seen["last_seen"] <= STALE_AFTER_S]
+            return dict(run_id=self.run_id, peers=peers, public_peers=sum(p["mode"] == "public" for p in peers),
+                        coverage=self._status["coverage"])
 
     def snapshot(self) -> Dict[str, Any]:
         """The dashboard's JSON (docs/ARCHITECTURE.md, "The dashboard's JSON")."""
         with self._lock:
             now = time.time()
-            live = {p["peer_id"] for p in self._status["peers"]}
+            # live: refreshed recently, whether or not the last read had its record (a DHT lookup under load can
+            # come back without some or all of a key's subkeys: that must not make a live swarm look empty)
+            live = {p for p, seen in self._last_peers.items() if now - seen["last_seen"] <= STALE_AFTER_S}
             peers = []
             for peer_id, seen in sorted(self._last_peers.items()):
                 record = self._telemetry.get(peer_id)
@@ -127,7 +138,7 @@ class SwarmView:
                 last_round = record.rounds[-1] if record is not None and record.rounds else None
                 peers.append(dict(
                     {k: v for k, v in seen.items() if k != "seen_at"},
-                    stale=peer_id not in live or now - seen["last_seen"] > STALE_AFTER_S,
+                    stale=peer_id not in live,
                     tokens_per_s=_number(record.tokens_per_s) if record is not None else None,
                     data_position=[record.data_epoch, record.data_sample] if record is not None else None,
                     loss=_number(losses[-1][1]) if losses else None,
@@ -143,7 +154,8 @@ class SwarmView:
                 ))
             return dict(
                 run_id=self.run_id, updated_at=self.updated_at, private=self.private,
-                public_peers=self._status["public_peers"], coverage=self._status["coverage"], peers=peers,
+                public_peers=sum(p["mode"] == "public" and not p["stale"] for p in peers),
+                coverage=self._status["coverage"], peers=peers,
                 losses={p: [[s, _number(v), t] for s, v, t in sorted(points.values())]
                         for p, points in self._losses.items()},
                 evals={p: [[s, _number(v), t] for s, v, t in sorted(points.values())]

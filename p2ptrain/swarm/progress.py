@@ -273,11 +273,15 @@ class ProgressPublisher:
         )
 
 
-def fetch_progress(dht: DHT, run_id: str, timeout_s: float = 10.0) -> List[PeerProgress]:
-    """The run's live peers' latest records, sorted by peer id. Malformed records are logged and skipped."""
+def fetch_progress(dht: DHT, run_id: str, timeout_s: float = 10.0, *, strict: bool = False) -> List[PeerProgress]:
+    """The run's live peers' latest records, sorted by peer id. Malformed records are logged and skipped. A failed
+    read (a timeout, the DHT shutting down) is logged and reads as no record; ``strict``: it raises instead, for a
+    reader that keeps its last answer (the dashboard), to whom "no peer" and "could not look" differ."""
     try:
         found = dht.get(progress_key(run_id), latest=True, return_future=True).result(timeout=timeout_s)
     except Exception as e:
+        if strict:
+            raise
         logger.warning(f"Could not read progress of run {run_id!r} from the DHT: {e!r}")
         return []
     if found is None:

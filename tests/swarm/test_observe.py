@@ -158,8 +158,8 @@ def test_the_dashboard_shows_the_swarm_in_a_browser(swarm):
 
     def both_with_losses() -> bool:
         seen = json.loads(get(url + "api/swarm"))
-        return len(seen["peers"]) == 2 and all(len(seen["losses"].get(p["peer_id"], [])) >= 3 and p["last_sync"]
-                                               for p in seen["peers"])
+        return len(seen["peers"]) == 2 and seen["public_peers"] == 2 and all(
+            len(seen["losses"].get(p["peer_id"], [])) >= 3 and p["last_sync"] and not p["stale"] for p in seen["peers"])
 
     wait_until(both_with_losses, "two peers with losses and a sync on the dashboard", 150, procs=procs)
     seen = json.loads(get(url + "api/swarm"))

@@ -155,6 +155,7 @@ def test_parse_metrics_of_a_real_exposition():
 
 
 @pytest.mark.swarm
+@pytest.mark.slow  # real workers: 15-25 s each, and the default suite is near its 10 minutes
 @pytest.mark.timeout(300)
 def test_three_workers_at_once(tmp_path):
     out, log = tmp_path / "out", tmp_path / "bench.log"
@@ -180,6 +181,7 @@ def test_three_workers_at_once(tmp_path):
 
 
 @pytest.mark.swarm
+@pytest.mark.slow  # real workers: 15-25 s each, and the default suite is near its 10 minutes
 @pytest.mark.timeout(300)
 def test_ctrl_c_stops_every_daemon_and_keeps_the_figures(tmp_path):
     out, log = tmp_path / "out", tmp_path / "bench.log"

@@ -22,7 +22,7 @@ def peer(peer_id: str, outer_step: int = 3, mode: str = "public", age_s: float =
                 last_seen=time.time() - age_s, mode=mode, reachability="", shard=0, shard_passes=0.0)
 
 
-def telemetry(peer_id: str, first_step: int, steps: int, *, banned=(), rounds=()) -> "PeerTelemetry":
+def telemetry(peer_id: str, first_step: int, steps: int, *, banned=(), rounds=()):
     publisher = TelemetryPublisher(dht=None, run_id="r")
     for step in range(first_step, first_step + steps):
         publisher._last_loss_at = -1e9  # one point a step here: the publisher keeps one a second
@@ -57,6 +57,10 @@ def test_a_peer_that_left_is_stale_and_one_behind_is_named():
     view = SwarmView(dht=None, run_id="r", private=False)
     view.merge(status(peer(A, 5), peer(B, 5), peer(C, 3)), {})
     assert kinds(view.snapshot()) == ["behind"]
+    view.merge(status(peer(A, 5), peer(C, 5)), {})  # B's record, 1 s old, missing from a read: not gone yet
+    assert not any(p["stale"] for p in view.snapshot()["peers"]) and view.snapshot()["public_peers"] == 3
+    assert [p["peer_id"] for p in view.status()["peers"]] == [A, B, C] and view.status()["public_peers"] == 3
+    view.merge(status(peer(A, 5), peer(B, 5, age_s=30), peer(C, 5)), {})  # its last record, then none
     view.merge(status(peer(A, 5), peer(C, 5)), {})
     snapshot = view.snapshot()
     assert {p["peer_id"]: p["stale"] for p in snapshot["peers"]} == {A: False, B: True, C: False}
@@ -70,7 +74,7 @@ def test_an_excluded_peer_and_too_few_public_peers_are_warned_about():
     assert kinds(snapshot) == ["banned_peer", "few_public_peers"]
     banned = next(w for w in snapshot["warnings"] if w["kind"] == "banned_peer")
     assert banned["peer_id"] == C and A[-8:] in banned["message"]
-    view.merge(status(peer(B, mode="client")), {})
+    view.merge(status(peer(A, age_s=30), peer(B, mode="client"), peer(C, mode="client", age_s=30)), {})
     assert "no public peer" in next(w["message"] for w in view.snapshot()["warnings"] if w["kind"] == "few_public_peers")
 
 
