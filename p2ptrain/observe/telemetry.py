@@ -6,7 +6,7 @@ from the Worker and hands it to what is on: Prometheus metrics (metrics.py), tra
 DHT layout: key ``"<run_id>_telemetry"``, subkey = the publishing peer's id, value = a serialized ``PeerTelemetry``
 (proto/p2ptrain.proto). Like a progress record it is signed by the peer's identity, and in a private run tagged with
 the swarm key (security.py), so a dashboard without the key reads nothing of the run. It holds a bounded recent
-window (the ``MAX_*`` below); it is rewritten after every round and at most every ``period_s`` while training, and
+window (the ``MAX_*`` below); it is rewritten at most every ``period_s`` (after a round or an inner step), and
 expires after ``3 x period_s`` when the peer is gone. Records come from other peers: one that is too large, names
 another peer or run, or holds more points than the limits is logged and skipped, never raised.
 """
@@ -194,7 +194,8 @@ class Telemetry:
             self.loggers.scalars(scalars, step=entry["local_step"])
         if self.publisher is not None:
             self.publisher.add_round(entry)
-            self._publish()
+            if self.publisher.due():  # at most every period: rounds of short phases came every 1-2 s
+                self._publish()
 
     def eval(self, entry: Dict[str, Any]) -> None:
         """One ``WorkerReport.evals`` entry (--eval-every)."""

@@ -88,9 +88,11 @@ def check_swarm_and_resume(tmp_path, maddr: str, run: str, flags: tuple, procs: 
     for k, r in enumerate(newcomer_own):
         fragments = [f["fragment"] for f in r["fragments"]]
         if k == 0 and fragments != [0, 1, 2]:
-            # it took the state while the donors' round of a fragment was in flight, and joined that round with weight
-            # 0 (adding nothing, applying it like them): its first phase holds that fragment and the ones after it
-            assert fragments == list(range(fragments[0], 3)) and r["fragments"][0]["weight"] == 0, (r, logs)
+            # it took the state part way through a phase, whose first fragments the state already held applied: its
+            # first phase holds the fragments after them. Either a round of the next one was in flight, which it
+            # joined with weight 0 (adding nothing, applying it like the donors), or none was, and it launched the
+            # next one itself with the samples of the steps it trained (CI met both)
+            assert fragments == list(range(fragments[0], 3)), (r, logs)
         else:
             assert fragments == [0, 1, 2], (r, logs)
         assert r["averaged"] and all(f["averaged"] for f in r["fragments"]), (r, logs)
