@@ -98,8 +98,9 @@ class TelemetryPublisher:
 
 def fetch_telemetry(dht, run_id: str, timeout_s: float = 10.0) -> Dict[str, PeerTelemetry]:
     """The run's live peers' telemetry records by peer id; malformed ones are logged and skipped."""
-    from hivemind.p2p import PeerID
     from hivemind.utils import ValueWithExpiration
+
+    from p2ptrain.swarm.progress import subkey_peer_id
 
     try:
         found = dht.get(telemetry_key(run_id), latest=True, return_future=True).result(timeout=timeout_s)
@@ -112,11 +113,7 @@ def fetch_telemetry(dht, run_id: str, timeout_s: float = 10.0) -> Dict[str, Peer
     for subkey, entry in found.value.items():
         if not isinstance(entry, ValueWithExpiration) or not isinstance(entry.value, bytes) or not entry.value:
             continue
-        try:
-            subkey_peer = PeerID(subkey).to_base58() if isinstance(subkey, bytes) else None
-        except Exception:
-            subkey_peer = None
-        record = parse_telemetry(entry.value, run_id, subkey_peer)
+        record = parse_telemetry(entry.value, run_id, subkey_peer_id(subkey))
         if record is not None:
             records[record.peer_id] = record
     return records

@@ -298,6 +298,14 @@ def fetch_progress(dht: DHT, run_id: str, timeout_s: float = 10.0, *, strict: bo
     return sorted(records, key=lambda r: r.peer_id)
 
 
+def subkey_peer_id(subkey: object) -> Optional[str]:
+    """The base58 peer id a per-peer record's DHT subkey names, or None if it names none (records come from others)."""
+    try:
+        return PeerID(subkey).to_base58() if isinstance(subkey, bytes) else None
+    except Exception:
+        return None
+
+
 def parse_progress(subkey: object, entry: object, run_id: str) -> Optional[PeerProgress]:
     """Validate one DHT entry; returns None (and logs why) for anything that is not a sound record."""
     if not isinstance(entry, ValueWithExpiration) or not isinstance(entry.value, bytes):
@@ -310,10 +318,7 @@ def parse_progress(subkey: object, entry: object, run_id: str) -> Optional[PeerP
     except DecodeError as e:
         logger.warning(f"Ignoring a progress record that does not parse: {e}")
         return None
-    try:
-        subkey_peer = PeerID(subkey).to_base58() if isinstance(subkey, bytes) else None
-    except Exception:
-        subkey_peer = None
+    subkey_peer = subkey_peer_id(subkey)
     if subkey_peer is None or subkey_peer != record.peer_id:
         logger.warning(f"Ignoring a progress record for {record.peer_id!r} stored under another peer's subkey")
         return None
