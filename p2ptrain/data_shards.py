@@ -88,6 +88,8 @@ class DataShardTracker:
         })
         if self.publisher is not None and self.publisher.shard_index != batches.shard_index:
             self.publisher.shard_index = batches.shard_index
+            # and the ones left since the last commit: no cursor tells the others of them yet (after_commit)
+            self.publisher.left_shards = tuple(sorted(set(batches.left_shards) - {batches.shard_index}))
             diloco = self.ranks.diloco  # at once: other peers choosing a data shard now must see this claim
             self.publisher.publish(outer_step=diloco.outer_step, local_step=diloco.local_step,
                                    samples_per_s=diloco.samples_per_s, samples_since_sync=diloco.samples_since_sync)
@@ -112,7 +114,9 @@ class DataShardTracker:
         others = [r for r in records if r.peer_id != me and r.HasField("shard_index")]
         if conflict and not any(r.shard_index == mine and r.peer_id < me for r in others):
             return None
-        claimed = {r.shard_index for r in others}
+        # a data shard another peer left within this round is no less taken: its samples come with that peer's
+        # next commit (without this, a peer saw it unseen and trained on it again: CI once ended at 98% seen)
+        claimed = {r.shard_index for r in others}.union(*(r.left_shards for r in others))
         cursors = fetch_cursors(self.dht, self.run_id)
         progress = shard_progress(cursors.values(), batches.num_shards, self._outer_step, layout=current)
         starts: Dict[int, dict] = {}
@@ -174,3 +178,5 @@ class DataShardTracker:
             if index != batches.shard_index:
                 self._seen[index] = max(state, self._seen.get(index, state),
                                         key=lambda st: (st["epoch"], st["position"]))
+        if self.publisher is not None:
+            self.publisher.left_shards = ()  # their cursors are out: the next record claims the current shard only

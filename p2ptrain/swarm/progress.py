@@ -15,7 +15,7 @@ import math
 import threading
 import time
 from collections import Counter
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from google.protobuf.message import DecodeError
 from hivemind import DHT
@@ -177,6 +177,8 @@ class ProgressPublisher:
         """the highest outer step among the other live peers at the last look (-1: none, or not watching)"""
         self.shard_index: Optional[int] = None
         """the data shard this peer claimed, published with every record (see swarm/shards.py)"""
+        self.left_shards: Tuple[int, ...] = ()
+        """data shards left since the last committed round, whose cursors are not out yet: claimed as well"""
         self.reachability = ""
         """how this peer chose public or client mode (swarm/reachability.py), published for status"""
         self.fastest_step_s: Optional[float] = None
@@ -236,6 +238,7 @@ class ProgressPublisher:
             client_mode=self.client_mode,
             reachability=self.reachability,
             shard_index=self.shard_index,
+            left_shards=self.left_shards,
             **self.settings,
         )
         stored = self._store(record.SerializeToString(), get_dht_time() + self.expiration_s)

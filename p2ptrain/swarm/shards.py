@@ -42,20 +42,24 @@ def claim_shard(
     max_rounds: int = 20,
 ) -> int:
     """Claim a shard in [0, num_shards) and return it: the least seen (by the published cursors) of those no live
-    peer claims, the lowest index among equals. Falls back to sharing a shard (with a warning) if all are taken,
+    peer claims, the lowest index among equals; one a live peer left since its last commit (trained on, its cursor
+    not out yet) only when no other is free. Falls back to sharing a shard (with a warning) if all are taken,
     since training on overlapping data beats refusing to train."""
     me = dht.peer_id.to_base58()
     seen = shard_progress(fetch_cursors(dht, run_id).values(), num_shards)
     for _ in range(max_rounds):
         owners: dict[int, str] = {}
+        left: set[int] = set()  # left by a live peer since its last commit: trained on, no cursor out yet
         for record in fetch_progress(dht, run_id):
             if record.peer_id != me and record.HasField("shard_index"):
                 index = record.shard_index
                 owners[index] = min(owners.get(index, record.peer_id), record.peer_id)
+                left.update(record.left_shards)
         mine = publisher.shard_index
         if mine is not None and (mine not in owners or me < owners[mine]):
             return mine  # published at least settle_s ago and nobody with priority claims it
-        free = sorted((i for i in range(num_shards) if i not in owners), key=lambda i: (seen.get(i, 0.0), i))
+        free = sorted((i for i in range(num_shards) if i not in owners),
+                      key=lambda i: (i in left, seen.get(i, 0.0), i))
         if not free:
             shared = int.from_bytes(dht.peer_id.to_bytes()[-4:], "big") % num_shards
             logger.warning(
