@@ -257,9 +257,15 @@ def _streaming_schedule(text: str) -> tuple:
 @click.option("--scale-timeout", type=click.FloatRange(min=10), default=600.0, show_default=True,
               help="--scale: seconds one N may take, start-up included; then every daemon is stopped and the N "
                    "counts as failed.")
+@click.option("--crowd", "crowd_newcomers", type=click.IntRange(min=1), default=None,
+              help="Instead: M newcomers join at once while --crowd-trainers train (tiny model, loopback), after "
+                   "one newcomer alone: their waits, the donors' shares, the trainers' rounds. Writes crowd.md, "
+                   "crowd.json in --out.")
+@click.option("--crowd-trainers", type=click.IntRange(min=1), default=8, show_default=True,
+              help="--crowd: workers training when the newcomers come.")
 def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, batch_size, out, behind_nat, groupings,
           streaming, throttles, cpu_per_peer, solo, loopback, clean_only, convergence_steps, scale_peers,
-          scale_local_steps, scale_timeout) -> None:
+          scale_local_steps, scale_timeout, crowd_newcomers, crowd_trainers) -> None:
     """Benchmark real swarms over rate-limited links (one network namespace per peer; root needed, else
     loopback): compute utilization, bytes on the wire, sync seconds against the bandwidth bound, eval loss."""
     from pathlib import Path
@@ -300,6 +306,17 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
         if failed:
             click.echo(f"Error: {', '.join(failed)} did not finish; see the problems in {out}/scale.md", err=True)
             sys.exit(1)
+        return
+    if crowd_newcomers:
+        from p2ptrain.bench.crowd import CrowdConfig, run_crowd
+
+        result = run_crowd(CrowdConfig(trainers=crowd_trainers, newcomers=crowd_newcomers,
+                                       local_steps=scale_local_steps, timeout_s=scale_timeout), Path(out),
+                           echo=click.echo)
+        click.echo(f"report: {Path(out) / 'crowd.md'} (and crowd.json)")
+        if result["status"] != "ok":
+            click.echo(f"Error: the crowd run {result['status']}: {'; '.join(result['problems'])}", err=True)
+            sys.exit(130 if result["status"] == "interrupted" else 1)
         return
     if convergence_steps:
         from p2ptrain.bench.convergence import Setup, write_convergence
