@@ -8,12 +8,14 @@ vector cut into fixed-size chunks:
   host's training thread) unless it has one of the current outer step younger than ``SNAPSHOT_REFRESH_S``, and
   describes it: outer step, digest of the global parameters, size, metadata. ``rpc_state_chunk`` answers chunk *i*
   of the current snapshot if it has the outer step and digest asked for. A snapshot stays while newcomers fetch it,
-  even if the donor's training moves on to the next outer step meanwhile, until a newcomer asks for the newer
-  state (then the others' chunk requests fail and they start over at that step) or ``SNAPSHOT_IDLE_S`` pass
-  without requests.
+  even if the donor's training moves on to the next outer step meanwhile, until ``SNAPSHOT_IDLE_S`` pass without
+  requests. When a newcomer asks for the newer state, the older snapshot is kept beside the new one for the
+  newcomers still fetching it, until ``PREVIOUS_SNAPSHOT_IDLE_S`` without requests, where the host has room for
+  that second copy.
 * **newcomer** (averager process): asks every declared donor for its ``StateInfo``, keeps the donors at the
-  highest outer step whose digest is the most common there, and runs one fetcher per donor over a shared queue of
-  missing chunks. A chunk that fails goes back into the queue and its donor is dropped, so the transfer resumes
+  highest outer step whose digest is the most common there (asking again for up to ``QUORUM_WAIT_S`` while only
+  one of several holds that step: the rest are likely committing it), and runs one fetcher per donor over a shared
+  queue of missing chunks. A chunk that fails goes back into the queue and its donor is dropped, so the transfer resumes
   with the others from where it was; if every donor failed, the donors are asked again (new ones may have come)
   until the deadline. Chunks already received are never fetched twice.
 
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Dict, List, Optional, Set
 
 import numpy as np
+import psutil
 import torch
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
@@ -55,6 +58,10 @@ MAX_STATE_VALUES_PER_PARAMETER = 8
 averaged parameter is refused before anything is allocated for it"""
 SNAPSHOT_IDLE_S = 60.0
 """a donor drops its snapshot after this long without a request for it"""
+PREVIOUS_SNAPSHOT_IDLE_S = 10.0
+"""when a newcomer asks for a newer outer step, the snapshot of the older one stays (a second copy of the state)
+while other newcomers fetch it, until this long without a request: before, their chunk requests failed and each
+dropped this donor (in a 4-newcomer crowd next to 2-second rounds, one newcomer lost 3 of its 4 donors so)"""
 SNAPSHOT_REFRESH_S = 5.0
 """a newcomer that asks for the state gets a snapshot at most this old: its local step (the phase of its next sync)
 and inner state come from it. Chunks keep coming from the current snapshot of the same outer step and digest."""
@@ -65,6 +72,12 @@ CHUNK_TIMEOUT_S = 10.0
 """how long one 1 MiB chunk may take (0.8 Mbit/s); a donor slower than that is dropped, the others go on"""
 FETCHES_PER_DONOR = 2
 """chunk requests in flight per donor: enough to hide one round trip"""
+QUORUM_WAIT_S = 2.0
+"""a newcomer that finds the newest outer step held by one donor alone, while others answered at older steps, asks
+again for up to this long before it starts: the others are most likely committing that round a moment later, and a
+state served by one donor makes that donor the crowd's choke point (bench --crowd, 2 trainers: 2 of 4 newcomers took
+every chunk from one peer; with this, none). Where two or more hold it, it starts at once: waiting for a majority
+cost 16 newcomers next to 8 trainers about 2 s each, as the newcomers in their first phase hold the older step"""
 
 
 @dataclass
@@ -127,6 +140,7 @@ class StateTransferMixin:
     def _init_state_transfer(self) -> None:
         # called in the host before the averager process is forked
         self._snapshot: Optional[_Snapshot] = None
+        self._previous_snapshot: Optional[_Snapshot] = None  # an older step that newcomers were fetching
         self._snapshot_lock: Optional[asyncio.Lock] = None
         self._host_outer_step = mp.Value(ctypes.c_int64, -1)
         self._chunks_served = 0
@@ -183,12 +197,13 @@ class StateTransferMixin:
     async def rpc_state_chunk(
         self, request: p2ptrain_pb2.StateChunkRequest, context: P2PContext
     ) -> p2ptrain_pb2.StateChunk:
-        snapshot = self._snapshot
+        wanted = (request.outer_step, request.digest)
+        snapshot = next((s for s in (self._snapshot, self._previous_snapshot)
+                         if s is not None and (s.outer_step, s.digest) == wanted), None)
         if (
             not self.allow_state_sharing
             or self._refuses_state_to(request, context)
             or snapshot is None
-            or (snapshot.outer_step, snapshot.digest) != (request.outer_step, request.digest)
             or request.index * CHUNK_VALUES >= snapshot.flat.numel()
         ):
             return p2ptrain_pb2.StateChunk(available=False)
@@ -218,6 +233,14 @@ class StateTransferMixin:
                 flat = await asyncio.get_event_loop().run_in_executor(None, staging.clone)
                 del staging, tensors
                 snapshot = _Snapshot(int(info["outer_step"]), str(info["digest"]), metadata, flat)
+                old = self._snapshot
+                if old is not None and (old.outer_step, old.digest) != (snapshot.outer_step, snapshot.digest) \
+                        and time.monotonic() - old.used_at < PREVIOUS_SNAPSHOT_IDLE_S \
+                        and psutil.virtual_memory().available > 2 * old.flat.numel() * 4:
+                    # newcomers are still fetching the older step: keep serving it until they are done, where
+                    # the host has room for the second copy (memory.py counts one)
+                    self._previous_snapshot = old
+                    asyncio.create_task(self._drop_previous_when_idle(old))
                 self._snapshot = snapshot
                 asyncio.create_task(self._drop_snapshot_when_idle(snapshot))
             snapshot.used_at = time.monotonic()
@@ -230,6 +253,14 @@ class StateTransferMixin:
                 self._snapshot = None
                 return
             await asyncio.sleep(SNAPSHOT_IDLE_S - idle_s)
+
+    async def _drop_previous_when_idle(self, snapshot: _Snapshot) -> None:
+        while self._previous_snapshot is snapshot:
+            idle_s = time.monotonic() - snapshot.used_at
+            if idle_s >= PREVIOUS_SNAPSHOT_IDLE_S:
+                self._previous_snapshot = None
+                return
+            await asyncio.sleep(PREVIOUS_SNAPSHOT_IDLE_S - idle_s)
 
     async def rpc_download_state(
         self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
@@ -309,6 +340,9 @@ class StateTransferMixin:
             digests = Counter(info.digest for _, info in answers if info.outer_step == best_step)
             best = (best_step, digests.most_common(1)[0][0])
             chosen = [(peer, info) for peer, info in answers if (info.outer_step, info.digest) == best]
+            if target is None and len(chosen) == 1 < len(answers) and time.monotonic() - started < QUORUM_WAIT_S:
+                await asyncio.sleep(0.25)
+                continue
             if best != target:  # first round, or the swarm moved on: start over at the newer state
                 target, info = best, chosen[0][1]
                 failed.clear()
