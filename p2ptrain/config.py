@@ -166,7 +166,8 @@ class DiLoCoConfig:
     min_group_size: int = setting(2, at_least=1)
     """a round needs at least this many peers"""
     target_group_size: Optional[int] = setting(None, at_least=1)
-    """at most this many peers per group; unset: every live peer of the round's outer step"""
+    """at most this many peers per group; unset: every live peer of the round's outer step. The swarm's first
+    round waits up to 30 s for this many peers, as peers started together arrive seconds apart"""
     no_group_policy: str = setting("apply_local", choices=NO_GROUP_POLICIES)
     """when no group forms: "apply_local" (own pseudo-gradient, only when no other live peer is at this outer
     step or those that are refuse to group) or "wait" (look again until a group forms)"""

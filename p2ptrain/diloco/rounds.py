@@ -21,6 +21,12 @@ from p2ptrain.swarm.progress import PeerProgress, fetch_progress
 
 logger = logging.getLogger(__package__)  # one logger name for the whole optimizer, as users grep for it
 
+FIRST_ROUND_WAIT_S = 30.0
+"""the swarm's first round (outer step 0) with a ``target_group_size``: how long a peer at its sync point waits for
+that many peers, counted from its first look. Peers started together still arrive seconds apart (imports, DHT,
+the reachability probe: 8 workers started at once on 2 cores came up 8-17 s after their start); without this the
+first ones averaged in a group of their own, and a peer that came later found the swarm a step ahead, took its state
+and, one short phase later, was behind again"""
 MAX_INCOMPLETE_RETRIES = 2  # re-runs of a round that a member's failure left incomplete, under any policy
 LATE_PEER_STALL_S = 30.0
 """a live peer of this outer step whose local step has not moved for this long is not waited for (it is stuck,
@@ -123,6 +129,9 @@ class Rounds:
         excluded: set = set()
         late_deadline = None  # set at the first look, from how many peers are expected
         last_moved: Dict[str, tuple] = {}  # late peer -> (its local step, when we first saw it there)
+        # the swarm's first round waits (bounded) for the group size the user named: its peers are still starting
+        forming_until = time.monotonic() + FIRST_ROUND_WAIT_S \
+            if position.outer_step == 0 and (cfg.target_group_size or 0) > 1 and not single_attempt else None
         while not self._interrupted.is_set():
             outlook = outlook if outlook is not None and attempts == 0 else self.outlook(position)
             if outlook.ahead:
@@ -142,7 +151,9 @@ class Rounds:
             # was slow to store, or a read that timed out, must not make it step alone next to that peer)
             # (a live peer refreshes its record every period: not seen for two of them, it is gone)
             recently = time.monotonic() - self.progress.others_seen_at < 2 * self.progress.period_s
-            if alone and (position.outer_step > 0 and not recently or attempts > 0):
+            forming = forming_until is not None and now < forming_until and \
+                1 + len(ready) + len(late) < cfg.target_group_size
+            if alone and (position.outer_step > 0 and not recently or attempts > 0) and not forming:
                 if attempts == 0:
                     logger.info(f"{self._tag()} no other live peer is at outer step {position.outer_step}: not "
                                 "looking for a group")
@@ -152,6 +163,12 @@ class Rounds:
                 logger.error(f"{self._tag()} the averager process is gone; this peer can no longer average")
                 break
             target, window_s = self._plan_round(ready, late, late_deadline - now)
+            if forming:
+                if attempts == 1:
+                    logger.info(f"{self._tag()} the swarm's first round: waiting up to {FIRST_ROUND_WAIT_S:.0f}s for "
+                                f"{cfg.target_group_size} peers (--target-group-size); {1 + len(ready) + len(late)} "
+                                "here so far")
+                target, window_s = cfg.target_group_size, max(window_s, forming_until - now)
             self.averager.set_round_plan(target, window_s, expected=[*ready, *late],
                                          max_group_size=cfg.target_group_size, fragment=position.fragment)
             logger.debug(f"{self._tag()} attempt {attempts}: ready {[p[-8:] for p in ready]}, late "
@@ -183,8 +200,8 @@ class Rounds:
             elif unjoinable_since is None:
                 unjoinable_since = now
             if cfg.no_group_policy == "apply_local":
-                if moving and not outlook.ready:
-                    continue  # the others are still training and making progress: wait for them
+                if moving and not outlook.ready or forming and time.monotonic() < forming_until:
+                    continue  # the others are still training (or starting) and making progress: wait for them
                 # peers at the sync point that did not group with us are in a round of their own (a failed one
                 # takes at most the averaging timeout) or refuse us: wait that long, then go on
                 # (a peer with weight 0 adds nothing: a group of such peers is refused by all its members alike, so

@@ -109,6 +109,33 @@ def test_a_peer_waits_for_a_slower_one_instead_of_stepping_alone(dhts):
         b.close()
 
 
+def test_the_swarms_first_round_waits_for_the_group_size_the_user_named(dhts):
+    """--target-group-size 2 and B starts 8 s after A (a slow start-up: no progress record yet when A reaches its
+    first sync point, far past the 1 s matchmaking window). A waits for it: the first round is a round of both,
+    and B never has to take the state."""
+    a_dht, b_dht = dhts(2)
+    model_a, a = optimizer(a_dht, "forming", matchmaking_time_s=1.0, target_group_size=2)
+    late: list = []
+
+    def start_b_late():
+        time.sleep(8.0)
+        late.append(optimizer(b_dht, "forming", matchmaking_time_s=1.0, target_group_size=2))
+        train(*late[0], 2 * LOCAL_STEPS)
+
+    try:
+        run_threads(lambda: train(model_a, a, 2 * LOCAL_STEPS), start_b_late)
+        _, b = late[0]
+        for opt in (a, b):
+            assert [(r.outer_step, r.group_size, r.averaged, r.caught_up) for r in opt.history] == \
+                [(1, 2, True, False), (2, 2, True, False)], opt.history
+        assert [r.digest for r in a.history] == [r.digest for r in b.history]
+        assert a.history[0].seconds > 4.0, a.history[0]  # it did wait for B, well past its matchmaking window
+    finally:
+        a.close()
+        if late:
+            late[0][1].close()
+
+
 def test_a_peer_alone_in_the_swarm_does_not_wait_for_a_group(dhts):
     (node,) = dhts(1)
     model, opt = optimizer(node, "alone", matchmaking_time_s=5.0)
