@@ -151,8 +151,9 @@ class Rounds:
             # was slow to store, or a read that timed out, must not make it step alone next to that peer)
             # (a live peer refreshes its record every period: not seen for two of them, it is gone)
             recently = time.monotonic() - self.progress.others_seen_at < 2 * self.progress.period_s
-            forming = forming_until is not None and now < forming_until and \
-                1 + len(ready) + len(late) < cfg.target_group_size
+            # while fewer than G are at the sync point: in the first round the late ones are peers still starting,
+            # and the late-peer bound started the group without them (27 of 32 workers on 16 cores)
+            forming = forming_until is not None and now < forming_until and 1 + len(ready) < cfg.target_group_size
             if alone and (position.outer_step > 0 and not recently or attempts > 0) and not forming:
                 if attempts == 0:
                     logger.info(f"{self._tag()} no other live peer is at outer step {position.outer_step}: not "
@@ -166,8 +167,8 @@ class Rounds:
             if forming:
                 if attempts == 1:
                     logger.info(f"{self._tag()} the swarm's first round: waiting up to {FIRST_ROUND_WAIT_S:.0f}s for "
-                                f"{cfg.target_group_size} peers (--target-group-size); {1 + len(ready) + len(late)} "
-                                "here so far")
+                                f"{cfg.target_group_size} peers (--target-group-size); {1 + len(ready)} at the sync "
+                                f"point, {len(late)} on their way")
                 target, window_s = cfg.target_group_size, max(window_s, forming_until - now)
             self.averager.set_round_plan(target, window_s, expected=[*ready, *late],
                                          max_group_size=cfg.target_group_size, fragment=position.fragment)
