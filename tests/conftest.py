@@ -93,6 +93,13 @@ def _is_torch_helper(proc: psutil.Process) -> bool:
         return True
 
 
+def _started_by(proc: psutil.Process, pids: set) -> bool:
+    try:
+        return any(parent.pid in pids for parent in proc.parents())
+    except psutil.NoSuchProcess:
+        return True
+
+
 @pytest.fixture(autouse=True)
 def reap_children():
     """Fail a test that leaves child processes (hivemind DHTs, averagers, p2pd) running, after killing them.
@@ -102,7 +109,11 @@ def reap_children():
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     yield
-    leftover = [p for p in me.children(recursive=True) if p.pid not in before and not _is_torch_helper(p)]
+    # a process started by one that was there before the test (a module fixture's daemon starting its DHT and
+    # averager while the first test runs) is that daemon's to stop, not the test's: reaping it killed a module
+    # swarm's live workers' averagers. An orphan is re-parented to this process (a subreaper), so it counts
+    leftover = [p for p in me.children(recursive=True)
+                if p.pid not in before and not _is_torch_helper(p) and not _started_by(p, before)]
     if not leftover:
         return
     # give processes that are already shutting down a moment before calling them leaks

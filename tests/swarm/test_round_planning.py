@@ -109,6 +109,7 @@ def test_a_peer_waits_for_a_slower_one_instead_of_stepping_alone(dhts):
         b.close()
 
 
+@pytest.mark.slow  # 15 s on 2 cores, and the default suite is near its 10 minutes: `make test-slow` (CI runs it)
 def test_the_swarms_first_round_waits_for_the_group_size_the_user_named(dhts):
     """--target-group-size 2 and B starts 8 s after A (a slow start-up: no progress record yet when A reaches its
     first sync point, far past the 1 s matchmaking window). A waits for it: the first round is a round of both,
