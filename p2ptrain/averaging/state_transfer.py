@@ -240,27 +240,21 @@ class StateTransferMixin:
                     # newcomers are still fetching the older step: keep serving it until they are done, where
                     # the host has room for the second copy (memory.py counts one)
                     self._previous_snapshot = old
-                    asyncio.create_task(self._drop_previous_when_idle(old))
+                    asyncio.create_task(self._drop_when_idle("_previous_snapshot", old, PREVIOUS_SNAPSHOT_IDLE_S))
                 self._snapshot = snapshot
-                asyncio.create_task(self._drop_snapshot_when_idle(snapshot))
+                asyncio.create_task(self._drop_when_idle("_snapshot", snapshot, SNAPSHOT_IDLE_S))
             snapshot.used_at = time.monotonic()
             return snapshot
 
-    async def _drop_snapshot_when_idle(self, snapshot: _Snapshot) -> None:
-        while self._snapshot is snapshot:
+    async def _drop_when_idle(self, slot: str, snapshot: _Snapshot, idle_limit_s: float) -> None:
+        """Empty ``slot`` (``_snapshot`` or ``_previous_snapshot``) once ``snapshot``, while it is still there, has
+        had no request for ``idle_limit_s``."""
+        while getattr(self, slot) is snapshot:
             idle_s = time.monotonic() - snapshot.used_at
-            if idle_s >= SNAPSHOT_IDLE_S:
-                self._snapshot = None
+            if idle_s >= idle_limit_s:
+                setattr(self, slot, None)
                 return
-            await asyncio.sleep(SNAPSHOT_IDLE_S - idle_s)
-
-    async def _drop_previous_when_idle(self, snapshot: _Snapshot) -> None:
-        while self._previous_snapshot is snapshot:
-            idle_s = time.monotonic() - snapshot.used_at
-            if idle_s >= PREVIOUS_SNAPSHOT_IDLE_S:
-                self._previous_snapshot = None
-                return
-            await asyncio.sleep(PREVIOUS_SNAPSHOT_IDLE_S - idle_s)
+            await asyncio.sleep(idle_limit_s - idle_s)
 
     async def rpc_download_state(
         self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
