@@ -16,7 +16,6 @@ The figures are pure functions of the reports, tested on hand-made ones; the pro
 from __future__ import annotations
 
 import json
-import signal
 import statistics
 import subprocess
 import time
@@ -26,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from p2ptrain.bench.scale import LOOPBACK, _leftovers, _read, _stop_all
+from p2ptrain.bench.local import LOOPBACK, interrupts_raised, leftover_processes, read_json, stop_swarm
 from p2ptrain.daemons import DaemonError, spawn, stop_daemons, wait_for_address
 
 DELAYED_FACTOR = 2.0
@@ -222,60 +221,53 @@ def run_crowd(cfg: CrowdConfig, out: Path, echo: Callable[[str], None] = print) 
         path.unlink(missing_ok=True)
     status, problems, window = "ok", [], (0.0, 0.0)
 
-    def terminate(signum, frame):
-        raise KeyboardInterrupt
-
     def start(report: Path) -> subprocess.Popen:
         procs.append(spawn(join_args(cfg, initial_peer, run_id, report), report.with_suffix(".log")))
         return procs[-1]
 
-    previous = {sig: signal.signal(sig, terminate) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        maddrs = out / "bootstrap.maddrs"
-        maddrs.unlink(missing_ok=True)
-        procs.append(spawn(["bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(maddrs)],
-                           out / "bootstrap.log"))
-        initial_peer = wait_for_address(maddrs, procs[0])
-        trainers = [start(path) for path in trainer_reports]
-        echo(f"crowd: {cfg.trainers} trainers started (run {run_id}; logs in {out})")
-        warm = lambda: [min(_read(p).get("outer_steps", 0), cfg.warmup_rounds) for p in trainer_reports]  # noqa
-        _wait(f"every trainer to commit {cfg.warmup_rounds} rounds", lambda: sum(warm()) == cfg.trainers *
-              cfg.warmup_rounds, trainers, cfg.timeout_s, echo, lambda: f"{sum(warm())} rounds")
-
-        lone = start(lone_report)
-        echo("crowd: one newcomer joins alone")
-        _wait("the lone newcomer to take the state and average", lambda: newcomer_done(
-            _read(lone_report), cfg.newcomer_rounds), [*trainers, lone], cfg.timeout_s, echo,
-            lambda: "state taken" if _read(lone_report).get("state_download") else "no state yet")
-        stop_daemons([lone], timeout_s=60)
-
-        arrived = time.time()
-        crowd = [start(path) for path in crowd_reports]
-        echo(f"crowd: {cfg.newcomers} newcomers join at once")
-        holding = lambda: sum(1 for p in crowd_reports if _read(p).get("state_download") is not None)  # noqa
-        _wait("every newcomer to take the state", lambda: holding() == cfg.newcomers, [*trainers, *crowd],
-              cfg.timeout_s, echo, lambda: f"{holding()}/{cfg.newcomers} hold it")
-        window = (arrived, time.time())
-        done = lambda: sum(1 for p in crowd_reports if newcomer_done(_read(p), cfg.newcomer_rounds))  # noqa
-        _wait(f"every newcomer to average {cfg.newcomer_rounds} round(s)", lambda: done() == cfg.newcomers,
-              [*trainers, *crowd], cfg.timeout_s, echo, lambda: f"{done()}/{cfg.newcomers} did")
-    except (CrowdTimeout, DaemonError) as e:
-        status = "failed"
-        problems.append(str(e))
-    except KeyboardInterrupt:
-        status = "interrupted"
-        problems.append("interrupted")
-    finally:
+    with interrupts_raised():  # a Ctrl-C or SIGTERM stops every daemon and keeps what was measured
         try:
-            _stop_all(procs)
-            problems += _leftovers(procs)
+            maddrs = out / "bootstrap.maddrs"
+            maddrs.unlink(missing_ok=True)
+            procs.append(spawn(["bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(maddrs)],
+                               out / "bootstrap.log"))
+            initial_peer = wait_for_address(maddrs, procs[0])
+            trainers = [start(path) for path in trainer_reports]
+            echo(f"crowd: {cfg.trainers} trainers started (run {run_id}; logs in {out})")
+            warm = lambda: [min(read_json(p).get("outer_steps", 0), cfg.warmup_rounds) for p in trainer_reports]  # noqa
+            _wait(f"every trainer to commit {cfg.warmup_rounds} rounds", lambda: sum(warm()) == cfg.trainers *
+                  cfg.warmup_rounds, trainers, cfg.timeout_s, echo, lambda: f"{sum(warm())} rounds")
+
+            lone = start(lone_report)
+            echo("crowd: one newcomer joins alone")
+            _wait("the lone newcomer to take the state and average", lambda: newcomer_done(
+                read_json(lone_report), cfg.newcomer_rounds), [*trainers, lone], cfg.timeout_s, echo,
+                lambda: "state taken" if read_json(lone_report).get("state_download") else "no state yet")
+            stop_daemons([lone], timeout_s=60)
+
+            arrived = time.time()
+            crowd = [start(path) for path in crowd_reports]
+            echo(f"crowd: {cfg.newcomers} newcomers join at once")
+            holding = lambda: sum(1 for p in crowd_reports if read_json(p).get("state_download") is not None)  # noqa
+            _wait("every newcomer to take the state", lambda: holding() == cfg.newcomers, [*trainers, *crowd],
+                  cfg.timeout_s, echo, lambda: f"{holding()}/{cfg.newcomers} hold it")
+            window = (arrived, time.time())
+            done = lambda: sum(1 for p in crowd_reports if newcomer_done(read_json(p), cfg.newcomer_rounds))  # noqa
+            _wait(f"every newcomer to average {cfg.newcomer_rounds} round(s)", lambda: done() == cfg.newcomers,
+                  [*trainers, *crowd], cfg.timeout_s, echo, lambda: f"{done()}/{cfg.newcomers} did")
+        except (CrowdTimeout, DaemonError) as e:
+            status = "failed"
+            problems.append(str(e))
+        except KeyboardInterrupt:
+            status = "interrupted"
+            problems.append("interrupted")
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            stop_swarm(procs)
+            problems += leftover_processes(procs)
     if window == (0.0, 0.0):  # the crowd never held the state: its rounds are measured to the end
         window = (time.time(), time.time())
-    result = summarize_crowd(cfg, [_read(p) for p in trainer_reports], _read(lone_report),
-                             [_read(p) for p in crowd_reports], window, status=status, problems=problems)
+    result = summarize_crowd(cfg, [read_json(p) for p in trainer_reports], read_json(lone_report),
+                             [read_json(p) for p in crowd_reports], window, status=status, problems=problems)
     (out / "crowd.json").write_text(json.dumps(result, indent=1))
     (out / "crowd.md").write_text(crowd_markdown(result))
     return result

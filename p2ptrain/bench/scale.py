@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import signal
 import statistics
 import subprocess
 import time
@@ -31,12 +29,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-import psutil
-
-from p2ptrain.daemons import DaemonError, spawn, stop_daemons, wait_for_address
+from p2ptrain.bench.local import (LOOPBACK, ProcessTree, interrupts_raised, leftover_processes, read_json,
+                                  stop_swarm)
+from p2ptrain.daemons import DaemonError, spawn, wait_for_address
 from p2ptrain.observe.metrics import round_outcome
 
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 MEMORY_BUDGET_BYTES = 24 * 2**30
 """the machine the issue asks about: how many peers fit in 24 GiB"""
 METRICS_URL = re.compile(r"Prometheus metrics (?:of run \S+ )?at (http://\S+/metrics)")
@@ -354,57 +351,6 @@ def plot_scale(results: Sequence[Dict[str, Any]], path: Path) -> Path:
 # ------------------------------------------------------------------------------------------------ the processes
 
 
-class _Tree:
-    """One daemon's process tree: peak RSS and PSS (sums over the tree), CPU seconds (every process ever seen in it,
-    at its last sample; exact from the kernel when the harness reaps the daemon itself)."""
-
-    def __init__(self, proc: subprocess.Popen):
-        self.proc = proc
-        self.cpu_by_pid: Dict[int, float] = {}
-        self.peak_rss = 0
-        self.peak_pss = 0
-        self.cpu_s: Optional[float] = None  # from wait4, once reaped
-
-    def sample(self) -> None:
-        try:
-            root = psutil.Process(self.proc.pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return
-        rss = pss = 0
-        for p in procs:
-            try:
-                with p.oneshot():
-                    times = p.cpu_times()
-                    self.cpu_by_pid[p.pid] = times.user + times.system
-                    info = p.memory_full_info()
-                rss += info.rss
-                pss += getattr(info, "pss", info.rss)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
-        self.peak_rss = max(self.peak_rss, rss)
-        self.peak_pss = max(self.peak_pss, pss)
-
-    def poll(self) -> Optional[int]:
-        """The exit code once the daemon exited; reaps it with wait4, whose CPU times include every descendant it
-        waited for (its p2pd and averager), so nothing of its last seconds is missed."""
-        if self.proc.returncode is not None:
-            return self.proc.returncode
-        try:
-            pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
-        except ChildProcessError:
-            return self.proc.poll()
-        if pid == 0:
-            return None
-        self.cpu_s = usage.ru_utime + usage.ru_stime
-        self.proc.returncode = os.waitstatus_to_exitcode(status)  # Popen.wait() now returns it without waiting
-        return self.proc.returncode
-
-    def figures(self) -> Dict[str, Any]:
-        cpu = self.cpu_s if self.cpu_s is not None else sum(self.cpu_by_pid.values()) or None
-        return {"cpu_s": cpu, "peak_rss": self.peak_rss or None, "peak_pss": self.peak_pss or None}
-
-
 def _metrics_url(log: Path) -> Optional[str]:
     try:
         found = METRICS_URL.search(log.read_text(errors="replace"))
@@ -421,61 +367,11 @@ def _scrape(url: str) -> Optional[Dict[str, float]]:
         return None  # the worker is busy or leaving: the next scrape will do
 
 
-def _read(path: Path) -> Dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def _sample_of(values: Dict[str, float], t: float, rounds: int) -> Dict[str, Any]:
     return {"t": round(t, 2), "rounds": rounds, "lookups": values.get("p2ptrain_group_lookups_total"),
             "peers_known": _finite(values.get("p2ptrain_peers_known")),
             "failed_attempts": values.get("p2ptrain_round_failed_attempts_total"),
             "outcomes": {k.split('"')[1]: v for k, v in values.items() if k.startswith("p2ptrain_rounds_total{")}}
-
-
-def _stop_all(procs: List[subprocess.Popen]) -> None:
-    """The workers leave first, the bootstrap peer after them; a Ctrl-C while they leave kills what is left, so the
-    harness never exits with a daemon behind it."""
-    try:
-        stop_daemons(procs[1:], timeout_s=60)
-        stop_daemons(procs[:1], timeout_s=30)
-    except KeyboardInterrupt:
-        for proc in procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for proc in procs:
-            proc.wait()
-        raise
-
-
-def _leftovers(procs: List[subprocess.Popen]) -> List[str]:
-    """Processes of a stopped daemon's process group that outlived it by 10 s (a p2pd its worker did not take down):
-    killed, and named as a problem. The kernel does not hand a group's id to a new process while the group has
-    members, so these are the daemon's own."""
-    groups = {proc.pid for proc in procs}
-    left = []
-    for p in psutil.process_iter(["pid", "name"]):
-        try:
-            if p.pid not in groups and os.getpgid(p.pid) in groups:
-                left.append(p)
-        except (ProcessLookupError, psutil.NoSuchProcess):
-            continue
-    _, left = psutil.wait_procs(left, timeout=10)  # a p2pd may still be on its way out
-    for p in left:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(left, timeout=5)
-    if not left:
-        return []
-    names = ", ".join(sorted({p.info["name"] or "?" for p in left}))
-    return [f"killed {len(left)} process(es) the daemons left behind: {names}"]
 
 
 def run_one(cfg: ScaleConfig, out: Path, echo: Callable[[str], None] = print) -> Dict[str, Any]:
@@ -485,7 +381,7 @@ def run_one(cfg: ScaleConfig, out: Path, echo: Callable[[str], None] = print) ->
     n = cfg.peers
     run_id = f"scale{n}-{uuid.uuid4().hex[:8]}"
     procs: List[subprocess.Popen] = []
-    trees: List[_Tree] = []
+    trees: List[ProcessTree] = []
     samples: List[List[Dict[str, Any]]] = [[] for _ in range(n)]
     urls: List[Optional[str]] = [None] * n
     up_s: List[Optional[float]] = [None] * n
@@ -499,7 +395,7 @@ def run_one(cfg: ScaleConfig, out: Path, echo: Callable[[str], None] = print) ->
         maddrs.unlink(missing_ok=True)
         procs.append(spawn(["bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(maddrs), "--run-id", run_id,
                             "--metrics-port", "0"], out / "bootstrap.log"))
-        trees.append(_Tree(procs[0]))
+        trees.append(ProcessTree(procs[0]))
         try:
             initial_peer = wait_for_address(maddrs, procs[0])
         except DaemonError as e:
@@ -512,7 +408,7 @@ def run_one(cfg: ScaleConfig, out: Path, echo: Callable[[str], None] = print) ->
         # all at once, as a crowd: no worker waits for another to be up
         for i in range(n):
             procs.append(spawn(worker_args(cfg, initial_peer, run_id, reports[i]), logs[i]))
-            trees.append(_Tree(procs[-1]))
+            trees.append(ProcessTree(procs[-1]))
         started = time.monotonic()
         echo(f"N={n}: started {n} workers (run {run_id}; logs in {out})")
         last_scrape, last_line, last_state = -math.inf, time.monotonic(), None
@@ -529,7 +425,7 @@ def run_one(cfg: ScaleConfig, out: Path, echo: Callable[[str], None] = print) ->
                     for i in range(n):
                         if urls[i] is None and (url := _metrics_url(logs[i])):
                             urls[i], up_s[i] = url, now - started
-                    counts = [len(_read(path).get("rounds", [])) for path in reports]
+                    counts = [len(read_json(path).get("rounds", [])) for path in reports]
                     fresh = [i for i in range(n) if counts[i] != rounds_seen[i]]
                     rounds_seen = counts
                     due = now - last_scrape >= cfg.scrape_period_s
@@ -559,8 +455,8 @@ def run_one(cfg: ScaleConfig, out: Path, echo: Callable[[str], None] = print) ->
     finally:
         wall_s = time.monotonic() - started
         exited = [tree.proc.returncode for tree in trees[1:]]  # None: still running, stopped by the harness
-        _stop_all(procs)
-        problems += _leftovers(procs)
+        stop_swarm(procs)
+        problems += leftover_processes(procs)
     for i, code in enumerate(exited):
         if code not in (0, None):
             problems.append(f"worker {i} exited with code {code}: see {logs[i]}")
@@ -571,7 +467,7 @@ def run_one(cfg: ScaleConfig, out: Path, echo: Callable[[str], None] = print) ->
     # the bootstrap peer's count of the run's live peers, all modes: its own view of the swarm's size
     swarm_peers = [sum(v for k, v in s.items() if k.startswith("p2ptrain_swarm_peers")) for s in boot_samples]
     boot = {**trees[0].figures(), "swarm_peers": max(swarm_peers, default=None)}
-    result = summarize_scale(cfg, [_read(path) for path in reports], workers, boot, wall_s=wall_s, status=status,
+    result = summarize_scale(cfg, [read_json(path) for path in reports], workers, boot, wall_s=wall_s, status=status,
                              problems=problems)
     (out / "measured.json").write_text(json.dumps({"workers": workers, "bootstrap": boot}))
     return result
@@ -580,18 +476,12 @@ def run_one(cfg: ScaleConfig, out: Path, echo: Callable[[str], None] = print) ->
 def run_scale(peer_counts: Sequence[int], *, out: Path, local_steps: int = 10, outer_steps: int = 3,
               timeout_s: float = 600.0, echo: Callable[[str], None] = print) -> Dict[str, Any]:
     """Each N in turn (a fresh bootstrap peer and run for each); scale.json, scale.md and scale.png are rewritten
-    after every N. A SIGTERM stops the daemons as a Ctrl-C does, and a SIGINT does so even where it was inherited
-    ignored (a job started in the background by a non-interactive shell, as CI starts it: Python then installs no
-    KeyboardInterrupt handler of its own)."""
+    after every N. A SIGTERM or SIGINT stops the daemons as a Ctrl-C does (``local.interrupts_raised``)."""
     out.mkdir(parents=True, exist_ok=True)
     results: List[Dict[str, Any]] = []
     report = {"memory_budget_bytes": MEMORY_BUDGET_BYTES, "results": results}
 
-    def terminate(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, terminate) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with interrupts_raised():
         for n in peer_counts:
             cfg = ScaleConfig(peers=n, local_steps=local_steps, outer_steps=outer_steps, timeout_s=timeout_s)
             try:
@@ -603,9 +493,6 @@ def run_scale(peer_counts: Sequence[int], *, out: Path, local_steps: int = 10, o
             echo(summary_line(result))
             if result["status"] == "interrupted":
                 raise KeyboardInterrupt
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     return report
 
 
