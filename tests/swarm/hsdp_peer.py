@@ -42,11 +42,11 @@ def dump(opt: ShardedDiLoCo, model: torch.nn.Module, path: Path) -> None:
         second = [opt.inner.state[p]["exp_avg_sq"].full_tensor() for p in model.parameters()]
         step = float(opt.inner.state[next(model.parameters())]["step"])
     if dist.get_rank() == 0:  # written whole, then renamed: the test polls for the file and reads it at once
-        partial = path.with_name(path.name + ".partial")
+        unfinished = path.with_name(path.name + ".partial")
         torch.save({"model": params, "exp_avg": moments, "exp_avg_sq": second, "step": step,
                     "counters": [opt.local_step, opt.outer_step], "global": opt.global_state()["global_params"]},
-                   partial)
-        os.replace(partial, path)
+                   unfinished)
+        os.replace(unfinished, path)
 
 
 def main() -> None:
