@@ -11,7 +11,7 @@ vector cut into fixed-size chunks:
   even if the donor's training moves on to the next outer step meanwhile, until ``SNAPSHOT_IDLE_S`` pass without
   requests. When a newcomer asks for the newer state, the older snapshot is kept beside the new one for the
   newcomers still fetching it, until ``PREVIOUS_SNAPSHOT_IDLE_S`` without requests, where the host has room for
-  that second copy.
+  that copy; up to ``OLDER_SNAPSHOTS_KEPT`` older steps are kept so, as a crowd's download may span two rounds.
 * **newcomer** (averager process): asks every declared donor for its ``StateInfo``, keeps the donors at the
   highest outer step whose digest is the most common there (asking again for up to ``QUORUM_WAIT_S`` while only
   one of several holds that step: the rest are likely committing it), and runs one fetcher per donor over a shared
@@ -62,6 +62,10 @@ PREVIOUS_SNAPSHOT_IDLE_S = 10.0
 """when a newcomer asks for a newer outer step, the snapshot of the older one stays (a second copy of the state)
 while other newcomers fetch it, until this long without a request: before, their chunk requests failed and each
 dropped this donor (in a 4-newcomer crowd next to 2-second rounds, one newcomer lost 3 of its 4 donors so)"""
+OLDER_SNAPSHOTS_KEPT = 2
+"""older steps kept so at most (memory permitting): with one, a newcomer whose download spanned two of the donors'
+rounds (a 4-newcomer crowd on 2 cores next to 1.6 s rounds, CI) found both trainers had dropped its step, and took
+every chunk from the one newcomer that still held it"""
 SNAPSHOT_REFRESH_S = 5.0
 """a newcomer that asks for the state gets a snapshot at most this old: its local step (the phase of its next sync)
 and inner state come from it. Chunks keep coming from the current snapshot of the same outer step and digest."""
@@ -80,7 +84,7 @@ every chunk from one peer; with this, none). Where two or more hold it, it start
 cost 16 newcomers next to 8 trainers about 2 s each, as the newcomers in their first phase hold the older step"""
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: a snapshot holds a tensor
 class _Snapshot:
     outer_step: int
     digest: str
@@ -88,6 +92,17 @@ class _Snapshot:
     flat: torch.Tensor
     taken_at: float = field(default_factory=time.monotonic)
     used_at: float = field(default_factory=time.monotonic)
+
+
+async def _idle_while(kept, snapshot: _Snapshot, idle_limit_s: float) -> bool:
+    """Wait while ``kept()`` holds until ``snapshot`` has had no request for ``idle_limit_s``: True if it went idle
+    (the caller drops it), False if it was dropped or replaced before."""
+    while kept():
+        idle_s = time.monotonic() - snapshot.used_at
+        if idle_s >= idle_limit_s:
+            return True
+        await asyncio.sleep(idle_limit_s - idle_s)
+    return False
 
 
 @dataclass
@@ -140,7 +155,7 @@ class StateTransferMixin:
     def _init_state_transfer(self) -> None:
         # called in the host before the averager process is forked
         self._snapshot: Optional[_Snapshot] = None
-        self._previous_snapshot: Optional[_Snapshot] = None  # an older step that newcomers were fetching
+        self._older_snapshots: List[_Snapshot] = []  # older steps that newcomers were fetching, newest last
         self._snapshot_lock: Optional[asyncio.Lock] = None
         self._host_outer_step = mp.Value(ctypes.c_int64, -1)
         self._chunks_served = 0
@@ -198,7 +213,7 @@ class StateTransferMixin:
         self, request: p2ptrain_pb2.StateChunkRequest, context: P2PContext
     ) -> p2ptrain_pb2.StateChunk:
         wanted = (request.outer_step, request.digest)
-        snapshot = next((s for s in (self._snapshot, self._previous_snapshot)
+        snapshot = next((s for s in (self._snapshot, *self._older_snapshots)
                          if s is not None and (s.outer_step, s.digest) == wanted), None)
         if (
             not self.allow_state_sharing
@@ -238,23 +253,23 @@ class StateTransferMixin:
                         and time.monotonic() - old.used_at < PREVIOUS_SNAPSHOT_IDLE_S \
                         and psutil.virtual_memory().available > 2 * old.flat.numel() * 4:
                     # newcomers are still fetching the older step: keep serving it until they are done, where
-                    # the host has room for the second copy (memory.py counts one)
-                    self._previous_snapshot = old
-                    asyncio.create_task(self._drop_when_idle("_previous_snapshot", old, PREVIOUS_SNAPSHOT_IDLE_S))
+                    # the host has room for the copy (memory.py counts one)
+                    self._older_snapshots = [*self._older_snapshots, old][-OLDER_SNAPSHOTS_KEPT:]
+                    asyncio.create_task(self._drop_older_when_idle(old))
                 self._snapshot = snapshot
-                asyncio.create_task(self._drop_when_idle("_snapshot", snapshot, SNAPSHOT_IDLE_S))
+                asyncio.create_task(self._drop_when_idle(snapshot))
             snapshot.used_at = time.monotonic()
             return snapshot
 
-    async def _drop_when_idle(self, slot: str, snapshot: _Snapshot, idle_limit_s: float) -> None:
-        """Empty ``slot`` (``_snapshot`` or ``_previous_snapshot``) once ``snapshot``, while it is still there, has
-        had no request for ``idle_limit_s``."""
-        while getattr(self, slot) is snapshot:
-            idle_s = time.monotonic() - snapshot.used_at
-            if idle_s >= idle_limit_s:
-                setattr(self, slot, None)
-                return
-            await asyncio.sleep(idle_limit_s - idle_s)
+    async def _drop_when_idle(self, snapshot: _Snapshot) -> None:
+        """Drop the current ``snapshot``, while it is still the current one, after ``SNAPSHOT_IDLE_S`` unasked."""
+        if await _idle_while(lambda: self._snapshot is snapshot, snapshot, SNAPSHOT_IDLE_S):
+            self._snapshot = None
+
+    async def _drop_older_when_idle(self, snapshot: _Snapshot) -> None:
+        """Drop an older ``snapshot``, while it is still kept, after ``PREVIOUS_SNAPSHOT_IDLE_S`` unasked."""
+        if await _idle_while(lambda: any(s is snapshot for s in self._older_snapshots), snapshot, PREVIOUS_SNAPSHOT_IDLE_S):
+            self._older_snapshots = [s for s in self._older_snapshots if s is not snapshot]
 
     async def rpc_download_state(
         self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
