@@ -126,7 +126,9 @@ def test_two_workers_started_seconds_apart_train_together_with_the_defaults(tmp_
     print(f"shards visited per worker: {[sorted(v) for v in visited]}; status: {coverage}")
     assert all(len(v) > 1 for v in visited), "a worker looped on one shard"
     assert set.union(*visited) == set(range(coverage["num_shards"])), "the swarm skipped part of the data"
-    assert coverage["fraction_seen"] == 1.0 and coverage["shards_complete"] == coverage["num_shards"], coverage
+    # (on failure: every move of both workers, to find the samples no cursor reached; CI once ended at 99.5%)
+    assert coverage["fraction_seen"] == 1.0 and coverage["shards_complete"] == coverage["num_shards"], \
+        (coverage, [r["shard_history"] for r in reports])
 
     # the eval loss on the user's held-out text falls about as far as one process's on all of the data
     swarm_before, swarm_after = reports[0]["initial_eval_loss"], reports[0]["final_eval_loss"]
