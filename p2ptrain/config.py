@@ -167,7 +167,9 @@ class DiLoCoConfig:
     """a round needs at least this many peers"""
     target_group_size: Optional[int] = setting(None, at_least=1)
     """at most this many peers per group; unset: every live peer of the round's outer step. The swarm's first
-    round waits up to 30 s for this many peers, as peers started together arrive seconds apart"""
+    round waits up to 30 s for this many peers, as peers started together arrive seconds apart. Below the swarm's
+    size, the groups change every round and average the parameters too where their members differ (mixing groups,
+    docs/ARCHITECTURE.md), at 4x the bytes of an fp16 round then"""
     no_group_policy: str = setting("apply_local", choices=NO_GROUP_POLICIES)
     """when no group forms: "apply_local" (own pseudo-gradient, only when no other live peer is at this outer
     step or those that are refuse to group) or "wait" (look again until a group forms)"""

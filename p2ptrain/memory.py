@@ -78,8 +78,9 @@ def _shape(model: Union[GPTConfig, "ModelSpec"]) -> Tuple[int, int, int, int, in
 
 
 def estimate_memory(config: Union[GPTConfig, "ModelSpec"], batch_size: int, world: int, shard: int,
-                    device_type: str, activation_checkpointing: bool) -> MemoryEstimate:
-    """``batch_size``: the sequences of one forward and backward pass (the micro-batch)."""
+                    device_type: str, activation_checkpointing: bool, mixing: bool = False) -> MemoryEstimate:
+    """``batch_size``: the sequences of one forward and backward pass (the micro-batch). ``mixing``: the averager
+    also keeps the stepped state (parameters and outer momenta, fp32) for mixing groups (--target-group-size)."""
     n, n_layer, width, seq_len, vocab_size = _shape(config)
     cuda = device_type == "cuda"
     value_bytes = 2 if cuda else 4
@@ -98,7 +99,9 @@ def estimate_memory(config: Union[GPTConfig, "ModelSpec"], batch_size: int, worl
     host = 12 * n + 2 * snapshot + (12 * n if world > 1 else 0) + PROCESSES_BYTES + (world - 1) * RANK_PROCESS_BYTES
     if not cuda:
         host += world * rank
-    return MemoryEstimate(parameters=n, rank_bytes=rank, host_bytes=host, shm_bytes=4 * n + 2 * snapshot)
+    state = 8 * n if mixing else 0
+    return MemoryEstimate(parameters=n, rank_bytes=rank, host_bytes=host + state,
+                          shm_bytes=4 * n + state + 2 * snapshot)
 
 
 def memory_problem(estimate: MemoryEstimate, *, device_free: Optional[int], host_free: Optional[int],
@@ -120,10 +123,10 @@ def memory_problem(estimate: MemoryEstimate, *, device_free: Optional[int], host
 
 
 def check_memory(config: Union[GPTConfig, "ModelSpec"], batch_size: int, world: int, shard: int, device: torch.device,
-                 activation_checkpointing: bool, leader: bool) -> MemoryEstimate:
+                 activation_checkpointing: bool, leader: bool, mixing: bool = False) -> MemoryEstimate:
     """Raise ConfigError if this rank's part of the peer will not fit; return the estimate. The leader checks the
     host and /dev/shm for the whole peer."""
-    estimate = estimate_memory(config, batch_size, world, shard, device.type, activation_checkpointing)
+    estimate = estimate_memory(config, batch_size, world, shard, device.type, activation_checkpointing, mixing)
     device_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     host_free = psutil.virtual_memory().available if leader else None
     shm_free = _free_bytes("/dev/shm") if leader else None

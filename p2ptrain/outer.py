@@ -91,3 +91,52 @@ def merge_(params: Sequence[torch.Tensor], global_params: Sequence[torch.Tensor]
             p.copy_(g)
         else:
             p.lerp_(g.to(p.device, p.dtype), 1.0 - alpha)
+
+
+@torch.no_grad()
+def stepped_state_(out_params: Sequence[torch.Tensor], out_momenta: Sequence[torch.Tensor],
+                   global_params: Sequence[torch.Tensor], momenta: Sequence[Optional[torch.Tensor]],
+                   gradient: Sequence[torch.Tensor], lr: float, momentum: float) -> None:
+    """This peer's outer step taken alone, written into ``out_params`` and ``out_momenta`` (the global parameters
+    and momenta untouched): ``m' = momentum * m + g``, ``p' = p - lr * (g + momentum * m')`` (Nesterov, as the outer
+    SGD; a missing momentum buffer is zeros, as SGD's first step), or ``p' = p - lr * g`` and ``m' = 0`` without
+    momentum. Both are linear in (p, m, g): the weighted mean of the members' stepped states is the step of their
+    mean state with their mean pseudo-gradient. That is what lets a mixing group whose members hold different
+    global parameters (they averaged in different groups last round) average the stepped states instead: the
+    result is the one DiLoCo step of the group's mean."""
+    for p_out, m_out, p, m, g in zip(out_params, out_momenta, global_params, momenta, gradient, strict=True):
+        if momentum == 0:
+            m_out.zero_()
+            torch.sub(p, g, alpha=lr, out=p_out)
+            continue
+        if m is None:
+            m_out.copy_(g)
+        else:
+            torch.add(g, m, alpha=momentum, out=m_out)
+        p_out.copy_(p).sub_(g, alpha=lr).sub_(m_out, alpha=lr * momentum)
+
+
+def momentum_buffers(outer_optimizer: torch.optim.Optimizer,
+                     global_params: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+    """The outer SGD's momentum buffer of each global parameter (None before its first step, or without momentum)."""
+    return [outer_optimizer.state.get(g, {}).get("momentum_buffer") for g in global_params]
+
+
+@torch.no_grad()
+def load_stepped_state_(outer_optimizer: torch.optim.Optimizer, global_params: Sequence[torch.Tensor],
+                        mean_params: Sequence[torch.Tensor], mean_momenta: Sequence[torch.Tensor],
+                        params: Optional[Sequence[torch.Tensor]] = None) -> None:
+    """Take a mixing group's mean stepped state (``stepped_state_`` averaged) as this peer's outer step: the global
+    parameters, the outer momentum (when the optimizer has any) and ``params`` (the model's copy)."""
+    uses_momentum = outer_optimizer.param_groups[0].get("momentum", 0) != 0
+    for g, p_mean, m_mean in zip(global_params, mean_params, mean_momenta, strict=True):
+        g.copy_(p_mean)
+        if uses_momentum:
+            state = outer_optimizer.state[g]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = m_mean.clone()
+            else:
+                state["momentum_buffer"].copy_(m_mean)
+    if params is not None:
+        for p, g in zip(params, global_params, strict=True):
+            p.copy_(g)

@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import AsyncIterator, Callable, Dict, Optional
+from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.averaging.partition import (AllreduceException, BannedException, TensorPartContainer,
+                                          TensorPartReducer)
 from hivemind.compression import CompressionInfo
 from hivemind.p2p import PeerID, StubBase
 from hivemind.proto import averaging_pb2, runtime_pb2
@@ -65,7 +66,8 @@ class ExactAllReduceRunner(AllReduceRunner):
     """
 
     def __init__(self, *, die_after_parts: Optional[int] = None, max_norm_ratio: Optional[float] = None,
-                 on_bad_peer: Optional[Callable[[PeerID, str], None]] = None, **kwargs):
+                 on_bad_peer: Optional[Callable[[PeerID, str], None]] = None,
+                 deviation_scale: Optional[Sequence[torch.Tensor]] = None, **kwargs):
         super().__init__(**kwargs)
         self.tensor_part_reducer.__class__ = _Reducer  # same state, one method changed
         # a part (or an average) whose L2 norm exceeds max_norm_ratio x our own values' norm over the same range is
@@ -81,6 +83,19 @@ class ExactAllReduceRunner(AllReduceRunner):
         squares = sum(float(torch.linalg.vector_norm(t.float())) ** 2 for t in local)
         self._own_rms = math.sqrt(squares / values) if values else 0.0
         self._codec = self.tensor_part_container.compression
+        # mixing groups average stepped states (parameters, momenta), not pseudo-gradients: honest members' values
+        # are alike in size there, but a peer must not move them by more than a pseudo-gradient round could. So a
+        # value's distance from our own is held to max_norm_ratio x ``deviation_scale`` (our pseudo-gradient, of
+        # the same shapes) over the same range: one member shifts a group of n by at most ratio x that / n, the
+        # bound of a pseudo-gradient round
+        self._scale_parts: Optional[List[List[torch.Tensor]]] = None
+        if deviation_scale is not None:
+            scale = TensorPartContainer(deviation_scale, self.tensor_part_container.peer_fractions, self._codec,
+                                        part_size_bytes=self.tensor_part_container.part_size_bytes)
+            self._scale_parts = [[own_input_part(scale, peer, part) for part in range(len(shapes))]
+                                 for peer, shapes in enumerate(own_input_part_shapes(scale))]
+            squares = sum(float(torch.linalg.vector_norm(t.float())) ** 2 for t in deviation_scale)
+            self._own_rms = math.sqrt(squares / values) if values else 0.0
         if not isinstance(self._codec, WireCodec):
             raise TypeError(f"ExactAllReduceRunner needs a p2ptrain WireCodec, got {self._codec!r}")
         self.clock = PhaseClock()
@@ -248,7 +263,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                         own = own_input_part(self.tensor_part_container, peer_index, part_index)
                         with self.clock("checks"):
                             problem = self._check_values(("sent", peer_index, part_index), average, own,
-                                                         f"an average for part #{part_index}")
+                                                         f"an average for part #{part_index}",
+                                                         self._scale_part(peer_index, part_index))
                     if problem:
                         logger.warning(f"Reducer {peer_id} returned {problem}; not applying its range")
                         self._on_bad_peer(peer_id, f"as a reducer it returned {problem}")
@@ -329,12 +345,19 @@ class ExactAllReduceRunner(AllReduceRunner):
         if not (math.isfinite(weight) and weight >= 0):
             return f"a weight of {weight}, not a finite non-negative number"
         own = self.parts_for_local_averaging[part_index]
-        return self._check_values(("received", part_index), tensor_part, own, f"part #{part_index}")
+        return self._check_values(("received", part_index), tensor_part, own, f"part #{part_index}",
+                                  self._scale_part(self.ordered_peer_ids.index(self.peer_id), part_index))
 
-    def _check_values(self, key: tuple, values: torch.Tensor, own: torch.Tensor, what: str) -> str:
+    def _scale_part(self, peer_index: int, part_index: int) -> Optional[torch.Tensor]:
+        """``deviation_scale`` over part ``part_index`` of the range reduced by ``peer_index`` (None without one)."""
+        return None if self._scale_parts is None else self._scale_parts[peer_index][part_index]
+
+    def _check_values(self, key: tuple, values: torch.Tensor, own: torch.Tensor, what: str,
+                      scale: Optional[torch.Tensor] = None) -> str:
         """Why ``values`` (a peer's part, or an average a reducer sent) must not be used: non-finite, or larger
         than ``max_norm_ratio`` times our own values over the same range (or, if larger, times our whole vector's
-        RMS over as many values). Empty if they may.
+        RMS over as many values). With ``scale`` (mixing groups): their distance from our own values, against
+        ``scale``'s norm instead. Empty if they may.
 
         One read of ``values`` in the usual case: their L2 norm is finite only if every value is (a NaN or an
         infinity makes it NaN or infinite); only a non-finite norm (poison, or finite values so large that their
@@ -344,10 +367,15 @@ class ExactAllReduceRunner(AllReduceRunner):
             return f"{what} with NaN or infinite values"
         if self._max_norm_ratio is None:
             return ""
+        if scale is not None:
+            norm = float(torch.linalg.vector_norm(values.float() - own.float()))
         if key not in self._own_norms:
-            self._own_norms[key] = float(torch.linalg.vector_norm(own.float()))
+            self._own_norms[key] = float(torch.linalg.vector_norm((own if scale is None else scale).float()))
         own_norm = max(self._own_norms[key], self._own_rms * math.sqrt(values.numel()))
         if own_norm > 0 and norm > self._max_norm_ratio * own_norm:
+            if scale is not None:
+                return (f"{what} at a distance {norm:.4g} from our own values, more than {self._max_norm_ratio:g}x "
+                        f"our pseudo-gradient's norm {own_norm:.4g} over the same range")
             return (f"{what} with norm {norm:.4g}, more than {self._max_norm_ratio:g}x our own {own_norm:.4g} over "
                     "the same range")
         return ""

@@ -14,6 +14,7 @@ import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.averager import compute_schema_hash
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
@@ -56,6 +57,10 @@ class RoundResult:
     """CPU seconds inside the all-reduce by kind of work (``ExactAllReduceRunner.clock``): encode, decode, checks,
     and ``write`` (the result copied into the shared buffers). The first three run on several threads while the
     wire carries other parts, so they overlap each other and the all-reduce's wall time"""
+    mixed: bool = False
+    """the group's members started from different global parameters (they averaged in different groups last round),
+    so it averaged their stepped states (``outer.stepped_state_``: global parameters and outer momenta, in fp32)
+    instead of their pseudo-gradients; the state buffers hold the group's mean"""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -97,15 +102,19 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: DHT, *, compression: str,
                  max_norm_ratio: Optional[float] = 10.0, fragments: Optional[Sequence[Sequence[int]]] = None,
-                 **kwargs):
+                 state_tensors: Sequence[torch.Tensor] = (), **kwargs):
         check_hivemind()  # the internals below are hivemind 1.1.12's: refuse another hivemind in one line
         self.compression_name = compression
         # who may take part: the swarm key's rule (security.SwarmAuth) that start_dht attached to the DHT
         self.auth: SwarmAuth = getattr(dht, "auth", SwarmAuth())
         self.max_norm_ratio = max_norm_ratio
         self._banned: Dict[PeerID, tuple] = {}  # averager process: peer -> (monotonic end of its ban, why)
-        super().__init__(averaged_tensors, dht, compression=get_compression(compression), start=False, **kwargs)
-        schema = [self.schema_hash.hex(), f"compression={compression}", f"protocol={PROTOCOL_VERSION}"]
+        super().__init__([*averaged_tensors, *state_tensors], dht, compression=get_compression(compression),
+                         start=False, **kwargs)
+        # the pseudo-gradients' shapes alone: a peer that also keeps state buffers (mixing groups) still groups with
+        # one that does not (a round between them averages pseudo-gradients, or repairs, as before)
+        schema = [compute_schema_hash(averaged_tensors).hex(), f"compression={compression}",
+                  f"protocol={PROTOCOL_VERSION}"]
         self.schema_hash = DHTID.generate(source=schema).to_bytes()
         # rounds in which a group formed but the all-reduce did not complete: the host retries those with the
         # survivors instead of applying its own pseudo-gradient, so no survivor applies a half-averaged result
@@ -122,6 +131,9 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
         self._failed_members = mp.Array(ctypes.c_char, MAX_PEER_LIST_BYTES)
         # streaming sync: a round averages one fragment (a run of the tensors), which the host names per round
         self.fragments = [list(f) for f in fragments] if fragments else [list(range(len(averaged_tensors)))]
+        # mixing groups: the stepped global parameters, then the stepped outer momenta (``outer.stepped_state_``),
+        # averaged instead of the pseudo-gradients in a round whose members start from different parameters
+        self.state_fragment = list(range(len(averaged_tensors), len(averaged_tensors) + len(state_tensors)))
         self._round_fragment = mp.Value(ctypes.c_int64, 0)
         self._group_lookups = mp.Value(ctypes.c_int64, 0)  # DHT lookups of the group key matchmaking made
         # for metrics and the dashboard (host reads): exclusions made so far, and the ids excluded now
@@ -272,6 +284,15 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
             logger.info(f"left a group of {len(weights)} in which nobody has a pseudo-gradient to add (all weigh 0)")
             raise MatchmakingException("every member of the group has weight 0: nothing to average")
 
+    def _mixes_states(self, gathered: Dict[str, Any]) -> bool:
+        """Whether this group averages its members' stepped states rather than their pseudo-gradients: when they
+        started from different global parameters (their digests differ) and every one of them keeps the state
+        buffers (says ``mixing`` in its join data). Every member decides alike from the same gathered data."""
+        entries = list(gathered.values())
+        if not self.state_fragment or not all(isinstance(e, dict) and e.get("mixing") is True for e in entries):
+            return False
+        return len({e.get("digest") for e in entries}) > 1
+
     async def _step(self, **kwargs):
         # this round's plan (set_round_plan), read once per step, before matchmaking
         if self._steered is None:
@@ -310,8 +331,16 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
             ]
             # the fragment this round averages (every member set the same: it is part of the group key)
             fragment = self.fragments[self._round_fragment.value]
+            mixed = self._mixes_states(gathered)
+            if mixed:
+                # exact: the mean of the stepped states must be the step of the mean state (outer.stepped_state_),
+                # and fp16 would round parameters far more coarsely than their updates
+                fragment = self.state_fragment
+                kwargs["compression"] = get_compression("none")
             async with enter_asynchronously(self.get_tensors()) as all_tensors:
                 local_tensors = [all_tensors[i] for i in fragment]
+                if mixed:  # parameters, then momenta: each held to our pseudo-gradient of its shape
+                    kwargs["deviation_scale"] = [all_tensors[i] for i in self.fragments[0]] * 2
                 peer_fractions = await asyncio.get_event_loop().run_in_executor(
                     None, load_balance_peers, sum(t.numel() for t in local_tensors), download_bandwidths,
                     min_vector_size
@@ -321,7 +350,7 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
                 result = await self._run_allreduce_inplace_(
                     local_tensors, group_info, peer_fractions=peer_fractions, norm_scale=scale, **kwargs
                 )
-            result.gathered = gathered
+            result.gathered, result.mixed = gathered, mixed
             result.allreduce_s = time.perf_counter() - started
             return result
         except BaseException as e:

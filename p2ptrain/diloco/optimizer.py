@@ -55,7 +55,10 @@ class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torc
     :param averaging_timeout_s: how long the all-reduce itself may take once a group formed; raise it for large
       models on slow links ("all-reduce timed out" in the log)
     :param min_group_size: a round needs at least this many peers
-    :param target_group_size: at most this many peers per group (None: no limit); a full group starts at once
+    :param target_group_size: at most this many peers per group (None: no limit); a full group starts at once.
+      Below the swarm's size, groups change every round (``p2ptrain/mixing.py``), and a group whose members hold
+      different global parameters averages their stepped states (parameters and outer momenta, fp32) instead of
+      their pseudo-gradients; needs the outer SGD with Nesterov or no momentum (else its groups repair as before)
     :param no_group_policy: what a peer does when no group formed: "apply_local" (step with its own
       pseudo-gradient, logged as a warning) or "wait" (look again, logged, until a group forms or ``close()``)
     :param batch_size: samples per inner step, the default weight unit of ``step`` (``step(batch_size=...)`` wins)
@@ -148,6 +151,9 @@ class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torc
         self.outer_optimizer = outer_optimizer(self.global_params)
         self.plan = FragmentPlan.build([g.numel() for g in self.global_params], local_steps, fragments,
                                        overlap_steps, merge_alpha)
+        self.mixing = _mixes_groups(target_group_size, self.plan.streaming, self.outer_optimizer)
+        """groups of at most target_group_size: when a group's members start from different global parameters
+        (they averaged in different groups last round), it averages their stepped states (p2ptrain/mixing.py)"""
         self.max_extra_steps = local_steps // 2 if max_extra_steps is None else max_extra_steps
         self.inner_lr_schedule, self.outer_lr_schedule = inner_lr_schedule, outer_lr_schedule
 
@@ -198,6 +204,8 @@ class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torc
             shutdown_timeout=5,
             max_norm_ratio=max_norm_ratio,
             fragments=self.plan.tensors,
+            # mixing groups: this peer's stepped global parameters and outer momenta (sync._fill_stepped_state)
+            state_tensors=[torch.zeros_like(g) for _ in range(2) for g in self.global_params] if self.mixing else (),
         )
         self.error_feedback = compression in ERROR_FEEDBACK_BY_DEFAULT if error_feedback is None else error_feedback
         # error feedback: what the wire dropped of this peer's last averaged pseudo-gradient, to be sent next time.
@@ -230,7 +238,7 @@ class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torc
         self.rounds = Rounds(self.averager, dht, run_id, self.progress, RoundSettings(
             no_group_policy=no_group_policy, matchmaking_time_s=matchmaking_time_s,
             averaging_timeout_s=averaging_timeout_s, late_peer_wait_s=late_peer_wait_s, min_group_size=min_group_size,
-            target_group_size=target_group_size, request_timeout_s=self._request_timeout_s,
+            target_group_size=target_group_size, request_timeout_s=self._request_timeout_s, mixing=self.mixing,
         ), self._interrupted, self._tag)
 
     # ------------------------------------------------------------------------------------------------ its life
@@ -292,8 +300,9 @@ class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torc
             self._publish_progress()
         elif not self.plan.streaming and self.local_step % self.local_steps == 0:
             self.sync()
-        elif (self.catch_up_mid_phase and self.progress.swarm_outer_step > self.outer_step
+        elif (self.catch_up_mid_phase and self.progress.swarm_outer_step > self.outer_step + self.mixing
               and self._no_donor_at_outer_step != self.outer_step):
+            # (mixing groups finish a round at their own pace: another group one step ahead is no news)
             self._catch_up_mid_phase()
         else:
             self._publish_progress()
@@ -429,3 +438,15 @@ def _check_arguments(*, local_steps: int, no_group_policy: str, matchmaking_time
         raise ValueError(f"min_group_size must be at least 1, got {min_group_size}")
     if compression not in COMPRESSIONS:
         raise ValueError(f"unknown compression {compression!r}; use one of: {', '.join(COMPRESSIONS)}")
+
+
+def _mixes_groups(target_group_size: Optional[int], streaming: bool, outer_optimizer: torch.optim.Optimizer) -> bool:
+    """Whether this peer keeps the stepped-state buffers of mixing groups: it caps its groups (below the swarm's size
+    several groups form each round), syncs all parameters at once (a fragment's round has no such path yet), and its
+    outer optimizer is SGD with plain or Nesterov momentum and no weight decay or dampening, whose step is linear in
+    (parameters, momentum, pseudo-gradient) (``outer.stepped_state_``)."""
+    if target_group_size is None or streaming or type(outer_optimizer) is not torch.optim.SGD:
+        return False
+    group = outer_optimizer.param_groups[0]
+    return (len(outer_optimizer.param_groups) == 1 and group["weight_decay"] == 0 and group["dampening"] == 0
+            and (group["nesterov"] or group["momentum"] == 0) and not group.get("maximize", False))

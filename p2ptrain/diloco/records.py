@@ -46,6 +46,13 @@ class RoundOutlook:
     """the other live peers at this outer step that reached the sync point (they are averaging or about to)"""
     late: Dict[str, int]
     """the other live peers at this outer step still in their inner steps: peer id -> local step"""
+    next_step: List[str] = field(default_factory=list)
+    """the live peers one outer step ahead (mixing groups: another group that finished this round first)"""
+    previous_step: List[str] = field(default_factory=list)
+    """the live peers one outer step behind, not of our last group (mixing groups: another group still averaging
+    the last round)"""
+    far_ahead: bool = False
+    """a live peer is two or more outer steps ahead"""
 
 
 @dataclass
@@ -76,6 +83,11 @@ class SyncRecord:
     """True when the peer was behind the swarm and took the state from live peers instead of averaging"""
     repaired: bool = False
     """True when the group's digests showed this peer's global parameters differed and it took the state anew"""
+    mixed: bool = False
+    """True when the group's members started from different global parameters (mixing groups, averaged in different
+    groups last round) and averaged their stepped states (``RoundResult.mixed``)"""
+    members: List[str] = field(default_factory=list)
+    """the group's members (base58 ids, sorted, this peer included); empty when not averaged"""
     abandoned: bool = False
     """True when the peer was leaving and no group formed: no outer step was taken (``outer_step`` unchanged)"""
     digest: str = ""
@@ -117,7 +129,8 @@ class SyncRecord:
             averaged=True, group_size=result.group_size, bytes_sent=result.bytes_sent,
             bytes_received=result.bytes_received, failed_fraction=result.failed_fraction,
             group_outer_steps=sorted(m.get("outer_step", -1) for m in result.gathered.values()),
-            finished_at=time.time(), allreduce_s=result.allreduce_s, **fields,
+            finished_at=time.time(), allreduce_s=result.allreduce_s, mixed=result.mixed,
+            members=sorted(result.gathered), **fields,
         )
 
     def log(self, logger: logging.Logger, tag: str) -> None:

@@ -17,6 +17,7 @@ from hivemind.utils import get_dht_time
 
 from p2ptrain.averaging import RoundResult
 from p2ptrain.diloco.records import Outcome, RoundOutcome, RoundOutlook
+from p2ptrain.mixing import group_key, key_bits
 from p2ptrain.swarm.progress import PeerProgress, fetch_progress
 
 logger = logging.getLogger(__package__)  # one logger name for the whole optimizer, as users grep for it
@@ -27,10 +28,25 @@ that many peers, counted from its first look. Peers started together still arriv
 the reachability probe: 8 workers started at once on 2 cores came up 8-17 s after their start); without this the
 first ones averaged in a group of their own, and a peer that came later found the swarm a step ahead, took its state
 and, one short phase later, was behind again"""
+FORMING_LOOK_S = 1.0
+"""mixing groups' first round: how often a peer whose cell still has members starting up reads the records again"""
 MAX_INCOMPLETE_RETRIES = 2  # re-runs of a round that a member's failure left incomplete, under any policy
 LATE_PEER_STALL_S = 30.0
 """a live peer of this outer step whose local step has not moved for this long is not waited for (it is stuck,
 or still starting up: it catches up from the swarm's state when it gets to its sync)"""
+
+
+class _Everybody:
+    """Every peer is a member (the swarm is one group)."""
+
+    def __contains__(self, peer: object) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        raise TypeError("everybody has no size")
+
+
+_EVERYBODY = _Everybody()
 
 
 def outlook_of(records: Iterable[PeerProgress], outer_step: int, local_step: int,
@@ -41,18 +57,25 @@ def outlook_of(records: Iterable[PeerProgress], outer_step: int, local_step: int
     step alone (seen with a fast peer next to a slow one). ``applied_by`` (a fragment's round, streaming sync): a peer
     of this outer step past this local step has applied the fragment already, so it is ahead too."""
     ready, late, ahead = [], {}, False
+    next_step, previous_step, far_ahead = [], [], False
     for record in records:
         ahead |= record.outer_step > outer_step
         ahead |= applied_by is not None and record.outer_step == outer_step and record.local_step > applied_by
+        far_ahead |= record.outer_step > outer_step + 1
+        if record.outer_step == outer_step + 1:
+            next_step.append(record.peer_id)
         if record.outer_step == outer_step - 1 and record.peer_id in last_group:
             late[record.peer_id] = record.local_step
+        elif record.outer_step == outer_step - 1:
+            previous_step.append(record.peer_id)
         elif record.outer_step != outer_step:
             continue
         elif record.local_step >= local_step:
             ready.append(record.peer_id)
         else:
             late[record.peer_id] = record.local_step
-    return RoundOutlook(ahead=ahead, ready=ready, late=late)
+    return RoundOutlook(ahead=ahead, ready=ready, late=late, next_step=next_step, previous_step=previous_step,
+                        far_ahead=far_ahead)
 
 
 @dataclass(frozen=True)
@@ -67,6 +90,10 @@ class RoundSettings:
     target_group_size: Optional[int]
     request_timeout_s: float
     """matchmaking requests time out well inside the matchmaking window (hivemind's deadlock breaker)"""
+    mixing: bool = False
+    """groups of at most ``target_group_size``, a new random partition each round (p2ptrain/mixing.py), so that
+    every peer's state mixes with every other's within a few rounds; a group whose members start from different
+    global parameters averages their stepped states (``RoundResult.mixed``)"""
     incomplete_settle_s: float = 1.0
     """after an incomplete round, how long the members that got every part have to say they committed it"""
 
@@ -128,24 +155,31 @@ class Rounds:
         # peer from stepping alone: a failed round can also name a live member (one stuck behind the dead one)
         excluded: set = set()
         late_deadline = None  # set at the first look, from how many peers are expected
+        # mixing groups: every peer seen in this round's looks. A member of another group that finished the round and
+        # left (its record withdrawn) still counts, or every peer after it in the round's order would change cells
+        drawn_from: set = set()
         last_moved: Dict[str, tuple] = {}  # late peer -> (its local step, when we first saw it there)
         # the swarm's first round waits (bounded) for the group size the user named: its peers are still starting
         forming_until = time.monotonic() + FIRST_ROUND_WAIT_S \
             if position.outer_step == 0 and (cfg.target_group_size or 0) > 1 and not single_attempt else None
         while not self._interrupted.is_set():
             outlook = outlook if outlook is not None and attempts == 0 else self.outlook(position)
-            if outlook.ahead:
+            # mixing groups: this round's group among every live peer of this outer step; only its members count
+            bits, members = self._mixing_group(position, outlook, drawn_from)
+            if self._behind(outlook, members):
                 return RoundOutcome(Outcome.BEHIND, attempts)
             now = time.monotonic()
             for peer, local_step in outlook.late.items():
                 if last_moved.get(peer, (None,))[0] != local_step:
                     last_moved[peer] = (local_step, now)
-            moving = [peer for peer in outlook.late if now - last_moved[peer][1] < LATE_PEER_STALL_S]
-            ready = [peer for peer in outlook.ready if peer not in excluded]
+            moving = [peer for peer in outlook.late
+                      if peer in members and now - last_moved[peer][1] < LATE_PEER_STALL_S]
+            ready = [peer for peer in outlook.ready if peer not in excluded and peer in members]
             late = [peer for peer in moving if peer not in excluded]
             if late_deadline is None:
                 late_deadline = now + self._late_peer_wait_s(1 + len(ready) + len(late), position.phase_started)
-            alone = not outlook.ready and not moving and not single_attempt and cfg.no_group_policy == "apply_local"
+            ready_members = [peer for peer in outlook.ready if peer in members]
+            alone = not ready_members and not moving and not single_attempt and cfg.no_group_policy == "apply_local"
             # ... but looks once when others may yet be there with no record to show for it: in a new swarm's first
             # round (they may still be starting), or when this peer saw another live peer recently (a record that
             # was slow to store, or a read that timed out, must not make it step alone next to that peer)
@@ -153,12 +187,22 @@ class Rounds:
             recently = time.monotonic() - self.progress.others_seen_at < 2 * self.progress.period_s
             # while fewer than G are at the sync point: in the first round the late ones are peers still starting,
             # and the late-peer bound started the group without them (27 of 32 workers on 16 cores)
-            forming = forming_until is not None and now < forming_until and 1 + len(ready) < cfg.target_group_size
-            if alone and (position.outer_step > 0 and not recently or attempts > 0) and not forming:
+            forming = forming_until is not None and now < forming_until and \
+                1 + len(ready) < min(cfg.target_group_size, len(members) if bits else cfg.target_group_size)
+            # (a mixing group of one, this peer alone in its cell, has nobody to wait for either)
+            lone_cell = bool(bits) and len(members) == 1
+            if alone and (lone_cell or position.outer_step > 0 and not recently or attempts > 0) and not forming:
                 if attempts == 0:
                     logger.info(f"{self._tag()} no other live peer is at outer step {position.outer_step}: not "
                                 "looking for a group")
                 break
+            if forming and bits and late:
+                # mixing groups' first round: a cell member still starting is waited for without matchmaking, looking
+                # again every second (the cells are drawn anew with each look, as more peers show up); a matchmaking
+                # window would either start the group without it or hold a cell the next look no longer draws
+                time.sleep(min(FORMING_LOOK_S, max(forming_until - now, 0.0)))
+                outlook = None
+                continue
             attempts += 1
             if not self.averager.is_alive():
                 logger.error(f"{self._tag()} the averager process is gone; this peer can no longer average")
@@ -169,14 +213,18 @@ class Rounds:
                     logger.info(f"{self._tag()} the swarm's first round: waiting up to {FIRST_ROUND_WAIT_S:.0f}s for "
                                 f"{cfg.target_group_size} peers (--target-group-size); {1 + len(ready)} at the sync "
                                 f"point, {len(late)} on their way")
-                target, window_s = cfg.target_group_size, max(window_s, forming_until - now)
+                target = min(cfg.target_group_size, len(members)) if bits else cfg.target_group_size
+                # mixing groups: the cells change as more peers show up, so look again after each matchmaking window
+                # instead of waiting for a cell that the next look may no longer draw
+                window_s = max(window_s, (forming_until - now) if not bits else
+                               min(forming_until - now, cfg.matchmaking_time_s))
             self.averager.set_round_plan(target, window_s, expected=[*ready, *late],
                                          max_group_size=cfg.target_group_size, fragment=position.fragment)
             logger.debug(f"{self._tag()} attempt {attempts}: ready {[p[-8:] for p in ready]}, late "
                          f"{ {p[-8:]: outlook.late[p] for p in late} } at local step {position.local_step}: "
                          f"target {target}, window {window_s:.1f}s")
             incomplete_before = self.averager.incomplete_rounds
-            result = self._attempt(weight, position, target, window_s, attempts)
+            result = self._attempt(weight, position, target, window_s, attempts, mixing_bits=bits)
             if result is not None:
                 return RoundOutcome(Outcome.AVERAGED, attempts, result)
             if single_attempt:
@@ -189,25 +237,28 @@ class Rounds:
                 # pseudo-gradient here: the survivors would each apply a different one.
                 excluded |= self.averager.last_failed_members
                 time.sleep(cfg.incomplete_settle_s)
-                if self.swarm_outer_step() > position.outer_step:
+                if self.settings.mixing:
+                    if self._behind(self.outlook(position), members):
+                        return RoundOutcome(Outcome.BEHIND, attempts)
+                elif self.swarm_outer_step() > position.outer_step:
                     return RoundOutcome(Outcome.BEHIND, attempts)
                 if incomplete_retries < MAX_INCOMPLETE_RETRIES:
                     incomplete_retries += 1
                     logger.warning(f"{self._tag()} a group member failed mid-round; running the round again with "
                                    f"the survivors (retry {incomplete_retries}/{MAX_INCOMPLETE_RETRIES})")
                     continue
-            if not outlook.ready:
+            if not ready_members:
                 unjoinable_since = None
             elif unjoinable_since is None:
                 unjoinable_since = now
             if cfg.no_group_policy == "apply_local":
-                if moving and not outlook.ready or forming and time.monotonic() < forming_until:
+                if moving and not ready_members or forming and time.monotonic() < forming_until:
                     continue  # the others are still training (or starting) and making progress: wait for them
                 # peers at the sync point that did not group with us are in a round of their own (a failed one
                 # takes at most the averaging timeout) or refuse us: wait that long, then go on
                 # (a peer with weight 0 adds nothing: a group of such peers is refused by all its members alike, so
                 # waiting for one is pointless)
-                if outlook.ready and weight > 0 and \
+                if ready_members and weight > 0 and \
                         now - unjoinable_since < cfg.averaging_timeout_s + cfg.matchmaking_time_s:
                     continue
                 break
@@ -240,12 +291,46 @@ class Rounds:
             target = max(target, cfg.min_group_size)  # a group of fewer could not start anyway
         return (target if target is not None else cfg.target_group_size), window_s
 
+    def behind(self, position: Position, outlook: RoundOutlook) -> bool:
+        """Whether this round went on without this peer (then it takes the swarm's state instead of averaging)."""
+        return self._behind(outlook, self._mixing_group(position, outlook)[1])
+
+    def _behind(self, outlook: RoundOutlook, members: Collection[str]) -> bool:
+        """One group: any live peer ahead. Mixing groups: the other groups finish the round at their own pace, so a
+        peer one step ahead is behind us only if it is of our own group (which went on without us); two steps ahead
+        is a whole phase."""
+        if not self.settings.mixing:
+            return outlook.ahead
+        return outlook.far_ahead or any(peer in members for peer in outlook.next_step)
+
+    def _mixing_group(self, position: Position, outlook: RoundOutlook,
+                      drawn_from: Optional[set] = None) -> tuple[str, Collection[str]]:
+        """This round's mixing group (``settings.mixing``): its matchmaking key bits (added to the outer step's) and
+        its members. The cells are drawn from every live peer that is in this round or its neighbours (ready or late
+        at this outer step, stalled or excluded ones too, the ones still averaging the round before, and the ones
+        whose group finished this round already), so that every peer of the round, whenever it reads the records,
+        draws the same cells. ``drawn_from``: the peers of this round's earlier looks, kept and added to. ("",
+        everybody) when the swarm is one group."""
+        if not self.settings.mixing:
+            return "", _EVERYBODY
+        me = self.dht.peer_id.to_base58()
+        peers = {me, *outlook.ready, *outlook.late, *outlook.next_step, *outlook.previous_step}
+        if drawn_from is not None:
+            drawn_from |= peers
+            peers = drawn_from
+        key = group_key(me, peers, self.settings.target_group_size, position.outer_step)
+        if key is None:
+            return "", _EVERYBODY
+        members = {peer for peer in peers if group_key(peer, peers, self.settings.target_group_size,
+                                                       position.outer_step) == key}
+        return key_bits(key), members
+
     def _attempt(self, weight: float, position: Position, target: Optional[int], window_s: float,
-                 attempt: int) -> Optional[RoundResult]:
+                 attempt: int, mixing_bits: str = "") -> Optional[RoundResult]:
         """One matchmaking + all-reduce attempt; None if it formed no group or failed (logged at debug level: the
         caller decides what a failure means)."""
         try:
-            self.averager.set_group_bits(position.group_bits)
+            self.averager.set_group_bits(position.group_bits + mixing_bits)
             # the leader waits window_s for followers; allow a request timeout on top
             matchmaking_timeout_s = window_s + self.settings.request_timeout_s + 1.0
             control = self.averager.step(

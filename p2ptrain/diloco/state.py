@@ -103,6 +103,7 @@ class StateSharingMixin:
         with self.averager.get_tensors() as buffers:
             for buffer in buffers:
                 buffer.zero_()
+        self._fill_stepped_state()  # weight 0 adds nothing, but a mixing group still needs finite values from us
         outcome = self.rounds.run(0.0, self._position(), single_attempt=True)
         if outcome.kind is not Outcome.AVERAGED:
             logger.info(f"{self._tag()} too late to join the swarm's round in progress; syncing at the next one")

@@ -16,7 +16,8 @@ from p2ptrain.clock import PhaseClock
 from p2ptrain.diloco.records import Outcome, RoundOutcome, SyncRecord, _digest_of, sync_phases
 from p2ptrain.diloco.rounds import Position
 from p2ptrain.finite import all_finite_many
-from p2ptrain.outer import add_error_feedback_, outer_step_, pseudo_gradient_
+from p2ptrain.outer import (add_error_feedback_, load_stepped_state_, momentum_buffers, outer_step_,
+                            pseudo_gradient_, stepped_state_)
 from p2ptrain.swarm.progress import FORCED_STORE_WAIT_S, wait_until_stored
 
 logger = logging.getLogger(__package__)  # the optimizer's logger: one name for the whole optimizer
@@ -51,7 +52,7 @@ class BlockingSyncMixin:
         # one read of the records: this check, and the first attempt's plan
         with clock("plan"):
             outlook = self.rounds.outlook(self._position())
-        if outlook.ahead:
+        if self.rounds.behind(self._position(), outlook):
             # behind already (paused, or a round went on without us): matchmaking at this outer step is doomed
             logger.warning(f"{self._tag()} the swarm has moved past outer step {self.outer_step}; discarding this "
                            "peer's stale pseudo-gradient and taking the state from live peers")
@@ -60,6 +61,7 @@ class BlockingSyncMixin:
                 return record
         with clock("pseudo_gradient"):
             diverged = self._fill_pseudo_gradient()
+            self._fill_stepped_state()
         with clock("publish"):
             wait_until_stored(stored, store_deadline - time.monotonic())
 
@@ -97,6 +99,21 @@ class BlockingSyncMixin:
                     "pseudo-gradient (no_group_policy=apply_local)"
                 )
         return self._apply(started, outcome.result, outcome.attempts)
+
+    @torch.no_grad()
+    def _fill_stepped_state(self) -> None:
+        """Mixing groups: this peer's outer step taken alone, from the pseudo-gradient in the buffers (after its
+        error feedback), into the state buffers. A group whose members start from different global parameters
+        averages these instead of the pseudo-gradients (``RoundResult.mixed``). No-op without mixing."""
+        if not self.mixing:
+            return
+        n = len(self.global_params)
+        with self.averager.get_tensors() as buffers, self._state_lock:
+            self._apply_lr_schedules()
+            group = self.outer_optimizer.param_groups[0]
+            stepped_state_(buffers[n:2 * n], buffers[2 * n:], self.global_params,
+                           momentum_buffers(self.outer_optimizer, self.global_params), buffers[:n],
+                           lr=group["lr"], momentum=group["momentum"])
 
     def _fill_pseudo_gradient(self, indices: Optional[List[int]] = None, what: str = "the pseudo-gradient",
                               feedback: bool = True) -> bool:
@@ -139,15 +156,24 @@ class BlockingSyncMixin:
     def _apply(self, started: float, result: Optional[RoundResult], attempts: int, **flags) -> SyncRecord:
         """The outer step with what the buffers hold (the group's average, or our own pseudo-gradient)."""
         clock = self._clock
+        mixed = result is not None and result.mixed
+        n = len(self.global_params)
         with clock("outer_step"), self.averager.get_tensors() as buffers, self._state_lock:
             self._apply_lr_schedules()  # the outer step counter may have jumped since the last one (a catch-up)
-            outer_step_(self.outer_optimizer, self.global_params, buffers, self.params)
+            if mixed:  # the group's mean stepped state: the outer step of its mean state is in it already
+                load_stepped_state_(self.outer_optimizer, self.global_params, buffers[n:2 * n], buffers[2 * n:],
+                                    self.params)
+            else:
+                outer_step_(self.outer_optimizer, self.global_params, buffers[:n], self.params)
             self.outer_step += 1
             self._committed_local_step = self.local_step
+        if mixed:
+            self._reset_residuals()  # the stepped states crossed the wire in fp32: nothing was dropped
         with clock("digest"):
             self._digest = self._global_digest()  # outside the averager's lock: hashing needs none of its buffers
         self.averager.set_host_outer_step(self.outer_step)
-        repaired = result is not None and self._repair_if_diverged(result)
+        # a mixing group's members differ by design: they averaged their states, there is nothing to repair
+        repaired = result is not None and not mixed and self._repair_if_diverged(result)
         return self._record(started, result, attempts, repaired=repaired, **flags)
 
     def _record(self, started: float, result: Optional[RoundResult], attempts: int, **flags) -> SyncRecord:
@@ -190,6 +216,9 @@ class BlockingSyncMixin:
             gather={"outer_step": self.outer_step, "samples": self.samples_since_sync,
                     # the digest of the global parameters this round starts from: every member must have the same
                     "digest": self._digest,
+                    # it keeps stepped-state buffers: a group of such peers started from different parameters
+                    # averages their states (mixing groups) instead of repairing
+                    "mixing": self.mixing,
                     # a pseudo-gradient of fewer inner steps than H (a newcomer's first, after it took the state
                     # mid-phase) is smaller than the others': widen its norm check in proportion
                     "norm_scale": self.local_steps / max(1, min(self._steps_since_sync, self.local_steps))},

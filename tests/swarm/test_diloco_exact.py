@@ -67,8 +67,7 @@ def train_peers(dhts, *, compression: str, local_steps: int, outer_steps: int, r
             matchmaking_time_s=3.0,
             averaging_timeout_s=30.0,
             batch_size=8,  # the default weight unit: every step() below names its own batch size, which must win
-            target_group_size=len(dhts),
-            **options,
+            **{"target_group_size": len(dhts), **options},
         ).start()
         for model, dht in zip(models, dhts)
     ]
@@ -463,8 +462,10 @@ def test_peer_behind_the_swarm_catches_up_instead_of_averaging(two_dhts, third_d
 
 def test_diverged_global_parameters_are_detected_and_repaired(two_dhts):
     """Peers that start a round from different global parameters (e.g. one kept its own values for parts whose
-    reducer died) notice it from the digests in the round and end the round on one state again."""
-    models, opts, _ = train_peers(two_dhts, compression="fp16", local_steps=3, outer_steps=1, run_id="digest")
+    reducer died) notice it from the digests in the round and end the round on one state again. Without a
+    --target-group-size (no mixing groups) one of them takes the other's state."""
+    models, opts, _ = train_peers(two_dhts, compression="fp16", local_steps=3, outer_steps=1, run_id="digest",
+                                  target_group_size=None)
     try:
         with torch.no_grad():  # peer 1's global parameters silently drift by one ulp-sized step
             opts[1].global_params[0].view(-1)[0] += 1e-3
@@ -482,6 +483,53 @@ def test_diverged_global_parameters_are_detected_and_repaired(two_dhts):
         for a, b in zip(models[0].parameters(), models[1].parameters()):
             assert torch.equal(a, b)
         assert opts[0]._digest == opts[1]._digest
+    finally:
+        for opt in opts:
+            opt.close()
+
+
+def test_diverged_members_of_a_mixing_group_average_their_stepped_states(two_dhts):
+    """With --target-group-size (mixing groups), members that start a round from different global parameters
+    average their stepped states instead of repairing: both end bit-identical on the mean of what each would have
+    stepped to alone (the DiLoCo step of their mean state), with the same outer momentum, and nobody downloads."""
+    from p2ptrain.outer import momentum_buffers, stepped_state_
+
+    models, opts, _ = train_peers(two_dhts, compression="fp16", local_steps=3, outer_steps=1, run_id="mixing")
+    try:
+        assert all(opt.mixing for opt in opts)
+        gen = torch.Generator().manual_seed(7)
+        with torch.no_grad():  # peer 1 holds other global parameters, as after a round in another group
+            opts[1].global_params[0].view(-1)[:4] += 1e-3
+            for model in models:  # and each peer moved its model: a pseudo-gradient of its own
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=gen), alpha=1e-3)
+        opts[1]._digest = opts[1]._global_digest()
+        expected = []  # what each peer's outer step alone would give: the group's result is their mean
+        for opt in opts:
+            gradient = [g.detach() - p.detach() for g, p in zip(opt.global_params, opt.params)]
+            stepped_p = [torch.empty_like(g) for g in opt.global_params]
+            stepped_m = [torch.empty_like(g) for g in opt.global_params]
+            group = opt.outer_optimizer.param_groups[0]
+            stepped_state_(stepped_p, stepped_m, [g.detach() for g in opt.global_params],
+                           momentum_buffers(opt.outer_optimizer, opt.global_params), gradient, group["lr"],
+                           group["momentum"])
+            expected.append(stepped_p)
+        threads = [threading.Thread(target=opt.sync) for opt in opts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        records = [opt.history[-1] for opt in opts]
+        assert all(r.averaged and r.group_size == 2 and r.mixed and not r.repaired for r in records), records
+        for a, b, e0, e1 in zip(opts[0].global_params, opts[1].global_params, *expected):
+            assert torch.equal(a, b)
+            assert torch.allclose(a.detach(), (e0 + e1) / 2, atol=1e-6)
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(a, b)
+        for a, b in zip(momentum_buffers(opts[0].outer_optimizer, opts[0].global_params),
+                        momentum_buffers(opts[1].outer_optimizer, opts[1].global_params)):
+            assert torch.equal(a, b)
+        assert opts[0]._digest == opts[1]._digest and opts[0].states_taken == opts[1].states_taken == 0
     finally:
         for opt in opts:
             opt.close()

@@ -54,3 +54,11 @@ def test_a_model_that_does_not_fit_is_one_line_with_the_numbers_and_the_fixes(fr
     for fragment in fragments:
         assert fragment in problem, problem
     assert memory_problem(estimate(), **plenty, device_name="cuda:0") == ""
+
+
+def test_mixing_groups_add_the_stepped_state_to_the_host_and_shared_memory():
+    """--target-group-size keeps the stepped parameters and outer momenta (fp32) in the averager's shared memory."""
+    plain, mixing = estimate(), estimate(mixing=True)
+    n = plain.parameters
+    assert mixing.shm_bytes - plain.shm_bytes == 8 * n and mixing.host_bytes - plain.host_bytes == 8 * n
+    assert mixing.rank_bytes == plain.rank_bytes

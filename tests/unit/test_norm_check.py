@@ -37,3 +37,22 @@ def test_with_nothing_of_our_own_every_finite_part_is_taken_and_nan_never():
     zeros = torch.zeros(4)  # a newcomer's contribution to a round it joins with weight 0
     assert check(torch.full((4,), 1e6), zeros, own_rms=0.0) == ""
     assert check(torch.tensor([1.0, float("nan"), 0.0, 0.0]), zeros, own_rms=0.0) == "part #0 with NaN or infinite values"
+
+
+def test_a_stepped_state_is_judged_by_its_distance_from_ours_against_our_pseudo_gradient():
+    """Mixing groups average parameters (norm ~ 1 per value) whose honest differences are the size of a few
+    pseudo-gradients (~ 0.01): a plain norm check at 10x would let a member shift them by 10x their own size, so
+    the distance from our own values is held to 10x our pseudo-gradient over the range instead."""
+    own = torch.full((1000,), 1.0)
+    scale = torch.full((1000,), 0.01)  # our pseudo-gradient over the range: norm 0.316
+    host = SimpleNamespace(_max_norm_ratio=10.0, _own_norms={}, _own_rms=0.01)
+
+    def centered(values):
+        host._own_norms.clear()
+        return ExactAllReduceRunner._check_values(host, ("received", 0), values, own, "part #0", scale)
+
+    assert centered(own + 0.05) == ""  # another group's parameters, 5 pseudo-gradients away
+    assert centered(own * 2).startswith("part #0 at a distance 31.62 from our own values, more than 10x our "
+                                        "pseudo-gradient's norm 0.3162")
+    assert check(own * 2, own, own_rms=1.0) == ""  # what the plain check would have let through
+    assert "NaN" in centered(torch.full((1000,), float("inf")))

@@ -107,3 +107,45 @@ def test_wire_roundtrip_rounds_each_part_on_its_own():
     assert out[:64].abs().min() > 0 and (out[:64] - tensor[:64]).abs().max() < 1e-4
     whole = wire_roundtrip(tensor, codec, part_size_bytes=PART)
     assert whole[:64].abs().max() == 0  # the counter-case: one scale for all of it
+
+
+def test_the_mean_of_stepped_states_is_the_step_of_the_mean_state():
+    """Mixing groups (``outer.stepped_state_``): each member steps its own state alone, the group averages the
+    results; by linearity that is the outer SGD step (Nesterov, or plain) of the mean state with the mean
+    pseudo-gradient, and ``load_stepped_state_`` leaves the optimizer where that step would."""
+    from p2ptrain.outer import load_stepped_state_, momentum_buffers, stepped_state_
+
+    torch.manual_seed(0)
+    for momentum in (0.9, 0.0):
+        params = [torch.randn(6) for _ in range(3)]
+        momenta = [torch.randn(6) for _ in range(3)]
+        gradients = [torch.randn(6) for _ in range(3)]
+        stepped = []
+        for p, m, g in zip(params, momenta, gradients):
+            out_p, out_m = torch.empty(6), torch.empty(6)
+            stepped_state_([out_p], [out_m], [p], [m], [g], lr=0.7, momentum=momentum)
+            stepped.append((out_p, out_m))
+        mean_p = torch.stack([p for p, _ in stepped]).mean(0)
+        mean_m = torch.stack([m for _, m in stepped]).mean(0)
+
+        reference = torch.nn.Parameter(torch.stack(params).mean(0))
+        opt = make_outer_optimizer([reference], lr=0.7, momentum=momentum)
+        if momentum:
+            opt.state[reference]["momentum_buffer"] = torch.stack(momenta).mean(0)
+        outer_step_(opt, [reference], [torch.stack(gradients).mean(0)])
+        assert torch.allclose(mean_p, reference.detach(), atol=1e-6)
+
+        mine = torch.nn.Parameter(torch.zeros(6))
+        mine_opt = make_outer_optimizer([mine], lr=0.7, momentum=momentum)
+        model = [torch.zeros(6)]
+        load_stepped_state_(mine_opt, [mine], [mean_p], [mean_m], model)
+        assert torch.equal(mine.detach(), mean_p) and torch.equal(model[0], mean_p)
+        if momentum:
+            assert torch.allclose(momentum_buffers(mine_opt, [mine])[0], opt.state[reference]["momentum_buffer"],
+                                  atol=1e-6)
+        else:
+            assert momentum_buffers(mine_opt, [mine]) == [None]
+    # a peer's first outer step has no momentum buffer yet: zeros, as SGD's first step
+    out_p, out_m = torch.empty(2), torch.empty(2)
+    stepped_state_([out_p], [out_m], [torch.ones(2)], [None], [torch.ones(2)], lr=0.5, momentum=0.9)
+    assert torch.equal(out_m, torch.ones(2)) and torch.allclose(out_p, torch.full((2,), 1 - 0.5 * 1.9))

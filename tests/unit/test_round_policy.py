@@ -11,6 +11,7 @@ from typing import List, Optional
 
 from p2ptrain.averaging import RoundResult
 from p2ptrain.diloco.records import Outcome, RoundOutlook
+from p2ptrain.mixing import groups_of
 from p2ptrain.diloco.rounds import MAX_INCOMPLETE_RETRIES, Position, Rounds, RoundSettings, outlook_of
 from p2ptrain.proto.p2ptrain_pb2 import PeerProgress
 
@@ -33,12 +34,16 @@ class Host(Rounds):
     repeats); ``attempts``: what each attempt does ("ok", "fail", "interrupt" or "incomplete:<failed peer>")."""
 
     def __init__(self, outlooks: List[RoundOutlook], attempts: List[str], policy: str = "apply_local",
-                 outer_step: int = 5, swarm_outer_step: int = 5, averaging_timeout_s: float = 0.0):
+                 outer_step: int = 5, swarm_outer_step: int = 5, averaging_timeout_s: float = 0.0,
+                 target_group_size: Optional[int] = None, mixing: bool = False, me: str = "A"):
         settings = RoundSettings(no_group_policy=policy, matchmaking_time_s=0.0,
                                  averaging_timeout_s=averaging_timeout_s, late_peer_wait_s=None, min_group_size=2,
-                                 target_group_size=None, request_timeout_s=0.0, incomplete_settle_s=0.0)
+                                 target_group_size=target_group_size, request_timeout_s=0.0, incomplete_settle_s=0.0,
+                                 mixing=mixing)
         progress = SimpleNamespace(others_seen_at=-1e9, period_s=5.0)
-        super().__init__(FakeAverager(), dht=None, run_id="r", progress=progress, settings=settings,
+        dht = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: me))
+        self.keys: List[str] = []  # the mixing key bits of each attempt
+        super().__init__(FakeAverager(), dht=dht, run_id="r", progress=progress, settings=settings,
                          interrupted=threading.Event(), tag=lambda: "[test]")
         self.outlooks, self.attempt_script = list(outlooks), list(attempts)
         self.position = Position(outer_step=outer_step, local_step=100, phase_started=time.monotonic())
@@ -52,7 +57,8 @@ class Host(Rounds):
     def swarm_outer_step(self) -> int:
         return self._swarm_outer_step
 
-    def _attempt(self, weight, position, target, window_s, attempt) -> Optional[RoundResult]:
+    def _attempt(self, weight, position, target, window_s, attempt, mixing_bits="") -> Optional[RoundResult]:
+        self.keys.append(mixing_bits)
         action = self.attempt_script.pop(0) if self.attempt_script else "fail"
         if action == "ok":
             return RoundResult(group_size=target or 2)
@@ -171,7 +177,10 @@ def record(peer: str, outer_step: int, local_step: int) -> PeerProgress:
 def test_the_records_sorted_into_ready_late_and_ahead():
     records = [record("B", 5, 100), record("C", 5, 90), record("D", 4, 80), record("E", 6, 0)]
     outlook = outlook_of(records, outer_step=5, local_step=100)
-    assert outlook == RoundOutlook(ahead=True, ready=["B"], late={"C": 90})  # D is behind: it catches up alone
+    # D is behind: it catches up alone; E is a step ahead (mixing groups: another group done with this round)
+    assert outlook == RoundOutlook(ahead=True, ready=["B"], late={"C": 90}, next_step=["E"], previous_step=["D"],
+                                   far_ahead=False)
+    assert outlook_of(records + [record("F", 7, 0)], outer_step=5, local_step=100).far_ahead
     assert not outlook_of(records[:3], outer_step=5, local_step=100).ahead
 
 
@@ -180,7 +189,7 @@ def test_a_member_of_our_last_round_not_yet_showing_its_commit_is_late_not_gone(
     Counted as absent, the fast peer stepped alone next to it (CI: group sizes [2, 1, 1])."""
     records = [record("B", 4, 80), record("D", 4, 70)]
     outlook = outlook_of(records, outer_step=5, local_step=100, last_group={"B"})
-    assert outlook == RoundOutlook(ahead=False, ready=[], late={"B": 80})
+    assert outlook == RoundOutlook(ahead=False, ready=[], late={"B": 80}, previous_step=["D"])
     host = Host([outlook, look(ready=["B"])], ["fail", "ok"])
     assert host.run(8.0, host.position).kind is Outcome.AVERAGED
 
@@ -195,3 +204,45 @@ def test_a_fragment_round_is_behind_once_a_peer_of_its_outer_step_is_past_the_fr
     assert not outlook_of(records + [record("D", 5, 111)], outer_step=5, local_step=108).ahead  # blocking sync
     assert Position(outer_step=5, local_step=0, phase_started=0.0, fragment=2, fragments=4).group_bits == "0000010110"
     assert Position(outer_step=5, local_step=0, phase_started=0.0).group_bits == "00000101"
+
+
+def test_mixing_groups_plan_for_their_own_members_and_turn_each_round():
+    """Eight peers ready, groups of at most 4 (p2ptrain/mixing.py): each peer's attempt expects the other members of
+    its own cell, not the swarm, with the cell's size as its target; cells get keys of their own, equal within a
+    cell; and the cells of two rounds differ."""
+    peers = list("ABCDEFGH")
+    for step in (5, 6):
+        keys = {}
+        for me in peers:
+            host = Host([look(ready=[p for p in peers if p != me])], ["ok"], outer_step=step, target_group_size=4,
+                        mixing=True, me=me)
+            assert host.run(8.0, host.position).kind is Outcome.AVERAGED
+            group, = [g for g in groups_of(peers, 4, step) if me in g]
+            assert host.averager.plans == [(len(group), 0.0, [p for p in group if p != me])]
+            keys[me] = host.keys[0]
+        for group in groups_of(peers, 4, step):
+            assert len({keys[p] for p in group}) == 1 and keys[group[0]]
+        assert len(set(keys.values())) == 2
+    assert groups_of(peers, 4, 5) != groups_of(peers, 4, 6)
+
+
+def test_a_mixing_group_of_one_steps_alone_at_once():
+    """Three peers, groups of at most 2: two cells, one of them a single peer. That peer applies its own
+    pseudo-gradient without an attempt (a later round mixes it in) instead of waiting for a group that cannot
+    form; the other two average together."""
+    peers, step = list("ABC"), 5
+    (lone,), pair = sorted(groups_of(peers, 2, step), key=len)
+    host = Host([look(ready=[p for p in peers if p != lone])], ["ok"], outer_step=step, target_group_size=2,
+                mixing=True, me=lone)
+    outcome = host.run(8.0, host.position)
+    assert outcome.kind is Outcome.ALONE and outcome.attempts == 0 and host.averager.plans == []
+    other = Host([look(ready=[p for p in peers if p != pair[0]])], ["ok"], outer_step=step, target_group_size=2,
+                 mixing=True, me=pair[0])
+    assert other.run(8.0, other.position).kind is Outcome.AVERAGED
+    assert other.averager.plans == [(2, 0.0, [pair[1]])]
+
+
+def test_without_mixing_the_cap_does_not_split_the_swarm_into_keys():
+    host = Host([look(ready=["B", "C", "D"])], ["ok"], target_group_size=2)
+    host.run(8.0, host.position)
+    assert host.keys == [""] and host.averager.plans == [(2, 0.0, ["B", "C", "D"])]
