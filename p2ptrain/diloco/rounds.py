@@ -166,7 +166,7 @@ class Rounds:
             outlook = outlook if outlook is not None and attempts == 0 else self.outlook(position)
             # mixing groups: this round's group among every live peer of this outer step; only its members count
             bits, members = self._mixing_group(position, outlook, drawn_from)
-            if self._behind(outlook, members):
+            if self.behind(outlook):
                 return RoundOutcome(Outcome.BEHIND, attempts)
             now = time.monotonic()
             for peer, local_step in outlook.late.items():
@@ -190,7 +190,8 @@ class Rounds:
             forming = forming_until is not None and now < forming_until and \
                 1 + len(ready) < min(cfg.target_group_size, len(members) if bits else cfg.target_group_size)
             # (a mixing group of one, this peer alone in its cell, has nobody to wait for either)
-            lone_cell = bool(bits) and len(members) == 1
+            # (members of our cell one step ahead averaged without us: they are not coming)
+            lone_cell = bool(bits) and not [p for p in members if p not in outlook.next_step and p != self._me()]
             if alone and (lone_cell or position.outer_step > 0 and not recently or attempts > 0) and not forming:
                 if attempts == 0:
                     logger.info(f"{self._tag()} no other live peer is at outer step {position.outer_step}: not "
@@ -237,10 +238,8 @@ class Rounds:
                 # pseudo-gradient here: the survivors would each apply a different one.
                 excluded |= self.averager.last_failed_members
                 time.sleep(cfg.incomplete_settle_s)
-                if self.settings.mixing:
-                    if self._behind(self.outlook(position), members):
-                        return RoundOutcome(Outcome.BEHIND, attempts)
-                elif self.swarm_outer_step() > position.outer_step:
+                if self.behind(self.outlook(position)) if cfg.mixing else \
+                        self.swarm_outer_step() > position.outer_step:
                     return RoundOutcome(Outcome.BEHIND, attempts)
                 if incomplete_retries < MAX_INCOMPLETE_RETRIES:
                     incomplete_retries += 1
@@ -291,17 +290,14 @@ class Rounds:
             target = max(target, cfg.min_group_size)  # a group of fewer could not start anyway
         return (target if target is not None else cfg.target_group_size), window_s
 
-    def behind(self, position: Position, outlook: RoundOutlook) -> bool:
-        """Whether this round went on without this peer (then it takes the swarm's state instead of averaging)."""
-        return self._behind(outlook, self._mixing_group(position, outlook)[1])
-
-    def _behind(self, outlook: RoundOutlook, members: Collection[str]) -> bool:
-        """One group: any live peer ahead. Mixing groups: the other groups finish the round at their own pace, so a
-        peer one step ahead is behind us only if it is of our own group (which went on without us); two steps ahead
-        is a whole phase."""
+    def behind(self, outlook: RoundOutlook) -> bool:
+        """Whether this round went on without this peer (then it takes the swarm's state instead of averaging).
+        One group: any live peer ahead. Mixing groups: the other groups finish the round at their own pace, and
+        members of our own cell that went on without us leave us to step alone (a later round mixes our state in:
+        cheaper than throwing our inner steps away for a download); only two steps ahead, a whole phase, is behind."""
         if not self.settings.mixing:
             return outlook.ahead
-        return outlook.far_ahead or any(peer in members for peer in outlook.next_step)
+        return outlook.far_ahead
 
     def _mixing_group(self, position: Position, outlook: RoundOutlook,
                       drawn_from: Optional[set] = None) -> tuple[str, Collection[str]]:
@@ -313,7 +309,7 @@ class Rounds:
         everybody) when the swarm is one group."""
         if not self.settings.mixing:
             return "", _EVERYBODY
-        me = self.dht.peer_id.to_base58()
+        me = self._me()
         peers = {me, *outlook.ready, *outlook.late, *outlook.next_step, *outlook.previous_step}
         if drawn_from is not None:
             drawn_from |= peers
@@ -324,6 +320,9 @@ class Rounds:
         members = {peer for peer in peers if group_key(peer, peers, self.settings.target_group_size,
                                                        position.outer_step) == key}
         return key_bits(key), members
+
+    def _me(self) -> str:
+        return self.dht.peer_id.to_base58()
 
     def _attempt(self, weight: float, position: Position, target: Optional[int], window_s: float,
                  attempt: int, mixing_bits: str = "") -> Optional[RoundResult]:

@@ -52,7 +52,7 @@ class BlockingSyncMixin:
         # one read of the records: this check, and the first attempt's plan
         with clock("plan"):
             outlook = self.rounds.outlook(self._position())
-        if self.rounds.behind(self._position(), outlook):
+        if self.rounds.behind(outlook):
             # behind already (paused, or a round went on without us): matchmaking at this outer step is doomed
             logger.warning(f"{self._tag()} the swarm has moved past outer step {self.outer_step}; discarding this "
                            "peer's stale pseudo-gradient and taking the state from live peers")

@@ -242,6 +242,26 @@ def test_a_mixing_group_of_one_steps_alone_at_once():
     assert other.averager.plans == [(2, 0.0, [pair[1]])]
 
 
+def test_a_mixing_cell_that_went_on_without_us_leaves_us_to_step_alone_not_behind():
+    """Mixing groups: other cells finish the round at their own pace, so a peer one step ahead is no reason to
+    take the swarm's state. When our own cell-mates are that peer, they averaged without us: we step alone at once
+    (our state mixes in at a later round; a download would throw our inner steps away). Two steps ahead is a
+    whole phase: behind."""
+    peers, step = list("ABCD"), 6
+    mine, = [g for g in groups_of(peers, 2, step) if "A" in g]
+    partner, = [p for p in mine if p != "A"]
+    others = [p for p in peers if p not in mine]
+    host = Host([RoundOutlook(ahead=True, ready=others, late={}, next_step=[partner])], ["ok"], outer_step=step,
+                target_group_size=2, mixing=True)
+    outcome = host.run(8.0, host.position)
+    assert outcome.kind is Outcome.ALONE and outcome.attempts == 0
+    far = Host([RoundOutlook(ahead=True, ready=others, late={}, next_step=[partner], far_ahead=True)], ["ok"],
+               outer_step=step, target_group_size=2, mixing=True)
+    assert far.run(8.0, far.position).kind is Outcome.BEHIND
+    plain = Host([RoundOutlook(ahead=True, ready=others, late={}, next_step=[partner])], ["ok"], outer_step=step)
+    assert plain.run(8.0, plain.position).kind is Outcome.BEHIND  # one group: anyone ahead is
+
+
 def test_without_mixing_the_cap_does_not_split_the_swarm_into_keys():
     host = Host([look(ready=["B", "C", "D"])], ["ok"], target_group_size=2)
     host.run(8.0, host.position)
