@@ -6,7 +6,11 @@ At the same number of inner steps per peer, on the built-in model and corpus:
 - ``data_parallel``: one model, every step the mean gradient of one batch from each of the K shards (K x B);
 - ``diloco``: K replicas, each on its own shard; every H steps the mean pseudo-gradient, rounded as the wire rounds
   it (each sender's parts through the codec, then the average through it again, as ``ExactAllReduceRunner`` does;
-  int8 with error feedback), goes to an outer SGD with Nesterov momentum; every replica restarts from the result.
+  int8 with error feedback), goes to an outer SGD with Nesterov momentum; every replica restarts from the result;
+- ``diloco, groups of G (mixing)``: the same K replicas, each with global parameters and an outer optimizer of its
+  own, averaging in Moshpit mixing groups of at most G (``p2ptrain.mixing``) as a swarm with ``--target-group-size``
+  G below its size does: a group whose members hold the same global parameters runs the round above, one whose
+  members come from different groups of the last round averages their stepped states (``outer.stepped_state_``).
 
 The optimizers and their settings are the swarm's (``DiLoCoConfig`` defaults), so a swarm of K real peers with the
 same settings should land where ``diloco`` does (the swarm must not be worse than its own math).
@@ -17,18 +21,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 
-from p2ptrain.averaging.compression import ERROR_FEEDBACK_BY_DEFAULT, get_compression
+from p2ptrain.averaging.compression import ERROR_FEEDBACK_BY_DEFAULT, WireCodec, get_compression
 from p2ptrain.config import DiLoCoConfig
 from p2ptrain.data import ShardedBatches, eval_batches, evaluate, load_corpus, split_train_val
 from p2ptrain.model import build_model
 from p2ptrain.fragments import FragmentPlan
-from p2ptrain.outer import (add_error_feedback_, group_average, make_outer_optimizer, merge_, outer_step_,
-                            pseudo_gradient_)
+from p2ptrain.mixing import groups_of
+from p2ptrain.outer import (add_error_feedback_, group_average, load_stepped_state_, make_outer_optimizer, merge_,
+                            momentum_buffers, outer_step_, pseudo_gradient_, stepped_state_)
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,15 @@ def _data(setup: Setup):
     shards = [ShardedBatches(train, block_size=block, batch_size=setup.batch_size, shard_index=i,
                              num_shards=setup.peers, seed=setup.seed) for i in range(setup.peers)]
     return shards, eval_batches(val, block, setup.batch_size, setup.eval_batches)
+
+
+def _inner_step(models, inners, shards) -> None:
+    """One inner step of every replica, each on the next batch of its own shard."""
+    for model, inner, shard in zip(models, inners, shards):
+        x, y = next(shard)
+        model(x, y)[1].backward()
+        inner.step()
+        inner.zero_grad()
 
 
 def run_alone(setup: Setup, cfg: DiLoCoConfig = DiLoCoConfig()) -> float:
@@ -101,11 +115,7 @@ def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
     alpha = plan.merge_alpha if plan.overlap_steps > 0 else 0.0
     pending: Dict[int, list] = {}  # fragment -> the replicas' pseudo-gradients of it, taken at its launch step
     for step in range(1, setup.steps + 1):
-        for model, inner, shard in zip(models, inners, shards):
-            x, y = next(shard)
-            model(x, y)[1].backward()
-            inner.step()
-            inner.zero_grad()
+        _inner_step(models, inners, shards)
         launch = plan.due(step, plan.launch_at)
         if launch is not None:
             indices = plan.tensors[launch]
@@ -136,6 +146,113 @@ def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
     return loss
 
 
+def _spread(states: Sequence[Sequence[torch.Tensor]]) -> float:
+    """max over replicas of ||theta_i - mean theta|| / ||mean theta||, all tensors of a replica as one vector."""
+    with torch.no_grad():
+        means = [torch.stack([t.double() for t in tensors]).mean(0) for tensors in zip(*states)]
+        mean_norm = sum(float(m.square().sum()) for m in means) ** 0.5
+        distance = max(sum(float((t.double() - m).square().sum()) for t, m in zip(tensors, means)) ** 0.5
+                       for tensors in states)
+    return distance / mean_norm if mean_norm else 0.0
+
+
+def mixing_round_(groups: Sequence[Sequence[int]], global_params: Sequence[Sequence[torch.Tensor]],
+                  outers: Sequence[torch.optim.Optimizer], sent: Sequence[Sequence[torch.Tensor]],
+                  residuals: Optional[Sequence[Sequence[torch.Tensor]]], codec: WireCodec,
+                  cfg: DiLoCoConfig) -> int:
+    """One round of mixing groups over replicas that each keep global parameters and an outer optimizer of their own
+    (``groups``: the replicas' indices, one list per group; ``sent[i]``: replica i's pseudo-gradient; ``residuals``:
+    the error-feedback residuals, or None). A group whose members hold bit-identical global parameters averages the
+    pseudo-gradients through the codec (``group_average``, equal weights) and every member takes the outer step
+    with the average; any other group averages its members' stepped states (``stepped_state_`` with their own
+    momenta and pseudo-gradients plus residuals, which are spent: nothing is rounded) in fp32 and every member
+    loads the mean (``load_stepped_state_``). Returns how many groups averaged stepped states."""
+    mixed = 0
+    for members in groups:
+        first = global_params[members[0]]
+        if all(torch.equal(a, b) for i in members[1:] for a, b in zip(first, global_params[i], strict=True)):
+            if residuals is not None:
+                for i in members:
+                    add_error_feedback_(sent[i], residuals[i], codec, DEFAULT_PART_SIZE_BYTES)
+            # every replica trained on the same number of samples since the last round: equal weights
+            average = group_average([sent[i] for i in members], [1.0] * len(members), codec, DEFAULT_PART_SIZE_BYTES)
+            for i in members:
+                outer_step_(outers[i], global_params[i], [a.clone() for a in average])
+            continue
+        mixed += 1
+        stepped = []
+        for i in members:
+            if residuals is not None:
+                for buffer, residual in zip(sent[i], residuals[i], strict=True):
+                    buffer.add_(residual)
+                    residual.zero_()
+            out_params = [torch.empty_like(g) for g in global_params[i]]
+            out_momenta = [torch.empty_like(g) for g in global_params[i]]
+            stepped_state_(out_params, out_momenta, global_params[i], momentum_buffers(outers[i], global_params[i]),
+                           sent[i], cfg.outer_lr, cfg.outer_momentum)
+            stepped.append((out_params, out_momenta))
+        with torch.no_grad():
+            mean_params = [torch.stack(ts).mean(0) for ts in zip(*(p for p, _ in stepped))]
+            mean_momenta = [torch.stack(ts).mean(0) for ts in zip(*(m for _, m in stepped))]
+        for i in members:
+            load_stepped_state_(outers[i], global_params[i], mean_params, mean_momenta)
+    return mixed
+
+
+def run_mixing(setup: Setup, local_steps: int, group_size: Optional[int], compression: str = "fp16",
+               cfg: DiLoCoConfig = DiLoCoConfig()) -> Dict:
+    """DiLoCo in mixing groups of at most ``group_size``, as a swarm of ``setup.peers`` runs it when its groups are
+    smaller than the swarm: every replica keeps global parameters and an outer optimizer of its own; round t (the
+    t-th sync, from 0) averages within ``mixing.groups_of`` of the peers ``peer000``, ``peer001``, ... A group whose
+    members hold bit-identical global parameters runs ``run_diloco``'s round (the pseudo-gradients' ``group_average``
+    through the codec, then the outer step); any other group takes every member's own outer step alone
+    (``outer.stepped_state_``: its global parameters, outer momentum and pseudo-gradient, plus its error-feedback
+    residual, which is then spent: nothing is rounded), averages the stepped parameters and momenta in fp32 with
+    equal weights, and every member loads the mean (``outer.load_stepped_state_``). Inner training and data are
+    ``run_diloco``'s; with ``group_size`` >= the peers (one group, always identical) the result is its loss, bit for
+    bit.
+
+    Returns ``eval_loss`` (replica 0's model), ``mean_eval_loss`` (the mean of the replicas' global parameters),
+    ``spread`` per round (after it: max over replicas of ||theta_i - mean theta|| / ||mean theta||, theta the
+    global parameters), ``mixed_groups`` per round (the groups that averaged stepped states) and ``groups`` per
+    round (how many)."""
+    shards, held_out = _data(setup)
+    codec = get_compression(compression)
+    feedback = compression in ERROR_FEEDBACK_BY_DEFAULT
+    models = [build_model(setup.model, seed=setup.seed) for _ in range(setup.peers)]
+    inners = [_inner(m.parameters(), cfg) for m in models]
+    global_params = [[p.detach().clone().requires_grad_(True) for p in m.parameters()] for m in models]
+    outers = [make_outer_optimizer(g, lr=cfg.outer_lr, momentum=cfg.outer_momentum) for g in global_params]
+    residuals = [[torch.zeros_like(g) for g in globals_] for globals_ in global_params] if feedback else None
+    peer_ids = [f"peer{i:03d}" for i in range(setup.peers)]
+    index = {peer: i for i, peer in enumerate(peer_ids)}
+    spread: List[float] = []
+    mixed_groups: List[int] = []
+    group_counts: List[int] = []
+    for step in range(1, setup.steps + 1):
+        _inner_step(models, inners, shards)
+        if step % local_steps:
+            continue
+        sent = []
+        for i, model in enumerate(models):
+            sent.append([torch.empty_like(g) for g in global_params[i]])
+            pseudo_gradient_(sent[i], global_params[i], list(model.parameters()))
+        groups = groups_of(peer_ids, group_size, len(spread))
+        mixed = mixing_round_([[index[peer] for peer in group] for group in groups], global_params, outers, sent,
+                              residuals, codec, cfg)
+        for model, globals_ in zip(models, global_params):
+            merge_(list(model.parameters()), globals_, 0.0)
+        spread.append(_spread(global_params))
+        mixed_groups.append(mixed)
+        group_counts.append(len(groups))
+    loss = evaluate(models[0], held_out)
+    with torch.no_grad():
+        for p, values in zip(models[0].parameters(), zip(*global_params)):
+            p.copy_(torch.stack(values).mean(0))
+    return {"eval_loss": loss, "mean_eval_loss": evaluate(models[0], held_out), "spread": spread,
+            "mixed_groups": mixed_groups, "groups": group_counts}
+
+
 def run_swarm(setup: Setup, local_steps: int, compression: str, out: Path, fragments: int = 1,
               overlap_steps: int = 0) -> float:
     """The same DiLoCo run by real `p2ptrain join` daemons on loopback (one per shard): peer 1's final eval loss."""
@@ -150,20 +267,30 @@ def run_swarm(setup: Setup, local_steps: int, compression: str, out: Path, fragm
     return result["peers"][0]["final_eval_loss"]
 
 
+def mixing_name(local_steps: int, compression: str, group_size: int) -> str:
+    """The row of ``run_mixing`` with groups of at most ``group_size`` (next to ``diloco H=.. codec``)."""
+    return f"diloco H={local_steps} {compression}, groups of {group_size} (mixing)"
+
+
 def experiment(lengths: List[int], local_steps: List[int], compressions: List[str], setup: Setup = Setup(),
                echo: Callable[[str], None] = print, swarm_out: Optional[Path] = None,
-               streaming: Sequence[tuple] = ()) -> Dict:
+               streaming: Sequence[tuple] = (), mixing: Sequence[int] = ()) -> Dict:
     """Final eval losses of alone, data-parallel and DiLoCo (each H and codec), at each run length; with
     ``swarm_out``, also the real swarm for the largest H and the first codec (its logs go there). ``streaming``:
     (fragments, overlap steps or None for the most allowed) schedules, each a Streaming DiLoCo row for every H and
-    codec, and (with ``swarm_out``) a real swarm row with it."""
+    codec, and (with ``swarm_out``) a real swarm row with it. ``mixing``: group sizes G, each a row of DiLoCo in
+    mixing groups of at most G (``run_mixing``) after every H and codec's one-group row, with the replicas' spread
+    per round and the loss of their mean in the report."""
     results: Dict = {"setup": setup.__dict__, "runs": []}
     for steps in lengths:
         s = Setup(**{**setup.__dict__, "steps": steps})
-        runs = [("alone", None, None, lambda: run_alone(s)),
-                ("data_parallel", None, None, lambda: run_data_parallel(s))]
-        runs += [(f"diloco H={h} {c}", h, c, (lambda h=h, c=c: run_diloco(s, h, c)))
-                 for h in local_steps for c in compressions]
+        runs: List[tuple] = [("alone", None, None, lambda: run_alone(s)),
+                             ("data_parallel", None, None, lambda: run_data_parallel(s))]
+        for h in local_steps:
+            for c in compressions:
+                runs.append((f"diloco H={h} {c}", h, c, (lambda h=h, c=c: run_diloco(s, h, c))))
+                runs += [(mixing_name(h, c, g), h, c, (lambda h=h, c=c, g=g: run_mixing(s, h, g, c)))
+                         for g in mixing]
         schedules = [(f, h // f - 1 if tau is None else tau, h) for f, tau in streaming for h in local_steps
                      if (f, tau) != (1, 0)]
         # streaming rows are judged on the mean of the replicas: at the end every fragment but the last holds local
@@ -182,10 +309,13 @@ def experiment(lengths: List[int], local_steps: List[int], compressions: List[st
                              lambda h=h, c=c, f=f, tau=tau: run_swarm(s, h, c, swarm_out, f, tau)))
         for name, h, c, fn in runs:
             started = time.perf_counter()
-            loss = fn()
-            results["runs"].append({"name": name, "steps": steps, "local_steps": h, "compression": c,
-                                    "eval_loss": loss, "seconds": time.perf_counter() - started})
-            echo(f"  {steps} steps, {name}: eval loss {loss:.4f} ({time.perf_counter() - started:.0f}s)")
+            outcome: Union[float, Dict] = fn()
+            extra = outcome if isinstance(outcome, dict) else {"eval_loss": outcome}
+            loss = extra["eval_loss"]
+            results["runs"].append({"name": name, "steps": steps, "local_steps": h, "compression": c, **extra,
+                                    "seconds": time.perf_counter() - started})
+            mean = f", mean of the replicas {extra['mean_eval_loss']:.4f}" if "mean_eval_loss" in extra else ""
+            echo(f"  {steps} steps, {name}: eval loss {loss:.4f}{mean} ({time.perf_counter() - started:.0f}s)")
     return results
 
 
@@ -214,17 +344,45 @@ def convergence_table(results: Dict) -> List[str]:
     return lines
 
 
+def mixing_table(results: Dict) -> List[str]:
+    """The mixing rows (``run_mixing``): the first replica's loss and the loss of the replicas' mean, and how far
+    apart the replicas' global parameters are after the rounds (max ||theta_i - mean|| / ||mean||); empty without
+    mixing rows."""
+    rows = [r for r in results["runs"] if "spread" in r]
+    if not rows:
+        return []
+    lines = ["| run | steps | rounds | eval loss (replica 0) | eval loss (mean of replicas) | spread: max | "
+             "spread: last 4 rounds, mean | spread: last round | rounds averaging stepped states |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        spread, tail = r["spread"], r["spread"][-4:]
+        stepped = sum(1 for m in r["mixed_groups"] if m)
+        lines.append(f"| {r['name']} | {r['steps']} | {len(spread)} | {r['eval_loss']:.5f} | "
+                     f"{r['mean_eval_loss']:.5f} | {max(spread, default=0.0):.2e} | "
+                     f"{(sum(tail) / len(tail) if tail else 0.0):.2e} | {(spread[-1] if spread else 0.0):.2e} | "
+                     f"{stepped} |")
+    lines += ["", "Spread: max over the replicas of ||theta_i - mean theta|| / ||mean theta||, theta the global "
+                  "parameters after a round (0: one model). Per round in the JSON report (`spread`)."]
+    return lines
+
+
 def write_convergence(lengths: List[int], local_steps: List[int], compressions: List[str], setup: Setup, out: Path,
-                      echo: Callable[[str], None] = print, streaming: Sequence[tuple] = ()) -> Path:
-    """Run the experiment (the swarm included) and write ``out/convergence.md`` and ``out/convergence.json``."""
+                      echo: Callable[[str], None] = print, streaming: Sequence[tuple] = (),
+                      mixing: Sequence[int] = (), swarm: bool = True) -> Path:
+    """Run the experiment (the swarm included unless not ``swarm``) and write ``out/convergence.md`` and
+    ``out/convergence.json``."""
     import json
 
     out.mkdir(parents=True, exist_ok=True)
-    results = experiment(lengths, local_steps, compressions, setup, echo=echo, swarm_out=out, streaming=streaming)
+    results = experiment(lengths, local_steps, compressions, setup, echo=echo, swarm_out=out if swarm else None,
+                         streaming=streaming, mixing=mixing)
     (out / "convergence.json").write_text(json.dumps(results, indent=1))
     lines = ["# Convergence: alone, data-parallel and DiLoCo at the same inner steps per peer", "",
              f"Model {setup.model}, {setup.peers} peers (data-parallel: {setup.peers} x batch {setup.batch_size}), "
              "the swarm's default optimizer settings; final eval loss on the held-out batches.", "",
              *convergence_table(results), ""]
+    mixing_lines = mixing_table(results)
+    if mixing_lines:
+        lines += ["## Mixing groups", "", *mixing_lines, ""]
     (out / "convergence.md").write_text("\n".join(lines))
     return out / "convergence.md"

@@ -26,8 +26,9 @@ def _streaming_schedule(text: str) -> tuple:
 @click.command()
 @click.option("--model", "models", multiple=True, default=["small"], show_default=True,
               help="Built-in model size (repeatable).")
-@click.option("--peers", type=click.IntRange(min=2, max=8), default=3, show_default=True,
-              help="Training peers, each a host of its own.")
+@click.option("--peers", type=click.IntRange(min=2), default=3, show_default=True,
+              help="Training peers, each a host of its own (at most 8; --convergence: any number, replicas in one "
+                   "process).")
 @click.option("--rate-mbit", "rates", type=click.FloatRange(min=0.1), multiple=True, default=[100.0],
               show_default=True, help="Each host's link rate, both ways (repeatable).")
 @click.option("--local-steps", "local_steps", type=click.IntRange(min=1), multiple=True,
@@ -61,12 +62,19 @@ def _streaming_schedule(text: str) -> tuple:
 @click.option("--convergence", "convergence_steps", type=click.IntRange(min=1), multiple=True,
               help="Instead: the convergence experiment at this many inner steps (repeatable): alone, data-parallel "
                    "with --peers x the batch, DiLoCo per --local-steps and --compression, and the real swarm.")
+@click.option("--mixing-group-size", "mixing_group_sizes", type=click.IntRange(min=2), multiple=True,
+              help="--convergence: also DiLoCo in Moshpit mixing groups of at most G peers (repeatable), a row next "
+                   "to each H and codec's one-group row, with the replicas' spread per round in the report.")
+@click.option("--no-swarm", "no_swarm", is_flag=True,
+              help="--convergence: leave out the real swarm's rows (--peers join daemons on this host).")
 @click.option("--scale", "scale_peers", type=click.IntRange(min=2), multiple=True,
               help="Instead: N tiny-model workers started at once on loopback (repeatable: --scale 4 --scale 8): "
                    "round time split, bytes, groups, lookups, peers seen, CPU and memory per peer, final models; "
                    "--outer-steps syncs each. Writes scale.json, scale.md, scale.png in --out.")
 @click.option("--scale-local-steps", type=click.IntRange(min=1), default=10, show_default=True,
               help="--scale: inner steps between syncs.")
+@click.option("--scale-group-size", type=click.IntRange(min=2), default=None,
+              help="--scale: --target-group-size G below N: mixing groups of at most G (default: N, one group).")
 @click.option("--scale-timeout", type=click.FloatRange(min=10), default=600.0, show_default=True,
               help="--scale: seconds one N may take, start-up included; then every daemon is stopped and the N "
                    "counts as failed.")
@@ -77,8 +85,9 @@ def _streaming_schedule(text: str) -> tuple:
 @click.option("--crowd-trainers", type=click.IntRange(min=1), default=8, show_default=True,
               help="--crowd: workers training when the newcomers come.")
 def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, batch_size, out, behind_nat, groupings,
-          streaming, throttles, cpu_per_peer, solo, loopback, clean_only, convergence_steps, scale_peers,
-          scale_local_steps, scale_timeout, crowd_newcomers, crowd_trainers) -> None:
+          streaming, throttles, cpu_per_peer, solo, loopback, clean_only, convergence_steps, mixing_group_sizes,
+          no_swarm, scale_peers, scale_local_steps, scale_group_size, scale_timeout, crowd_newcomers,
+          crowd_trainers) -> None:
     """Benchmark real swarms over rate-limited links (one network namespace per peer; root needed, else
     loopback): compute utilization, bytes on the wire, sync seconds against the bandwidth bound, eval loss."""
     from pathlib import Path
@@ -110,7 +119,8 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
             raise BadInput(str(e)) from None
         try:
             report = run_scale(list(scale_peers), out=Path(out), local_steps=scale_local_steps,
-                               outer_steps=outer_steps, timeout_s=scale_timeout, echo=click.echo)
+                               outer_steps=outer_steps, timeout_s=scale_timeout, group_size=scale_group_size,
+                               echo=click.echo)
         except KeyboardInterrupt:
             click.echo(f"interrupted: the daemons are stopped; figures so far in {out}/scale.md", err=True)
             sys.exit(130)
@@ -136,9 +146,14 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
 
         setup = Setup(model=models[0], peers=peers, batch_size=batch_size)
         report = write_convergence(list(convergence_steps), list(local_steps) or [25, 50], list(compressions), setup,
-                                   Path(out), echo=click.echo, streaming=schedules)
+                                   Path(out), echo=click.echo, streaming=schedules,
+                                   mixing=list(dict.fromkeys(mixing_group_sizes)), swarm=not no_swarm)
         click.echo(f"report: {report}")
         return
+    if mixing_group_sizes or no_swarm:
+        raise BadInput("--mixing-group-size and --no-swarm go with --convergence")
+    if peers > 8:
+        raise BadInput(f"--peers {peers}: at most 8 hosts (more only with --convergence)")
     if not local_steps and not phases:
         phases = (60.0,)
     if cpu_per_peer:
