@@ -48,7 +48,9 @@ MB = 1e6
 @dataclass(frozen=True)
 class ScaleConfig:
     peers: int
-    """workers started at once; also their --target-group-size"""
+    """workers started at once; also their --target-group-size unless ``group_size`` is given"""
+    group_size: Optional[int] = None
+    """--target-group-size below ``peers``: several mixing groups per round (p2ptrain/mixing.py)"""
     local_steps: int = 10
     """--local-steps: inner steps between syncs"""
     outer_steps: int = 3
@@ -70,7 +72,7 @@ def worker_args(cfg: ScaleConfig, initial_peer: str, run_id: str, report: Path) 
     return ["join", "--initial-peers", initial_peer, "--host-maddrs", LOOPBACK, "--run-id", run_id,
             "--model", cfg.model, "--threads", "1", "--no-progress", "--report", str(report), "--metrics-port", "0",
             "--local-steps", str(cfg.local_steps), "--max-outer-steps", str(cfg.outer_steps),
-            "--target-group-size", str(cfg.peers), "--num-shards", str(cfg.num_shards)]
+            "--target-group-size", str(cfg.group_size or cfg.peers), "--num-shards", str(cfg.num_shards)]
 
 
 # ------------------------------------------------------------------------------------------------ pure figures
@@ -141,6 +143,34 @@ def groups_by_step(reports: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
                       "abandoned": sum(1 for r in rounds if r.get("abandoned") and not r.get("caught_up")),
                       "models": len({r.get("digest") for r in rounds if r.get("digest")})})
     return steps
+
+
+def rounds_to_mix(reports: Sequence[Dict[str, Any]]) -> List[Optional[int]]:
+    """Mixing groups: for each outer step s of the run, after how many rounds from s every worker's state had
+    reached every other's (through the groups of s, s+1, ...: a worker's state reaches the members of its group,
+    then theirs); None when the run ended first. Groups are read from the reports' ``members`` (base58 ids; a
+    worker's id is the first member list it appears in alone, or the ids of all members reported)."""
+    by_step: Dict[int, List[List[str]]] = {}
+    for report in reports:
+        for r in report.get("rounds", []):
+            if r.get("members") and not r.get("caught_up"):
+                by_step.setdefault(r["outer_step"], []).append(sorted(r["members"]))
+    everyone = {peer for groups in by_step.values() for group in groups for peer in group}
+    steps = sorted(by_step)
+    result: List[Optional[int]] = []
+    for i, start in enumerate(steps):
+        reach = {peer: {peer} for peer in everyone}
+        needed = None
+        for j, step in enumerate(steps[i:]):
+            for group in by_step[step]:
+                merged = set().union(*(reach[peer] for peer in group))
+                for peer in group:
+                    reach[peer] = set(merged)
+            if all(reached == everyone for reached in reach.values()):
+                needed = j + 1
+                break
+        result.append(needed)
+    return result
 
 
 def lookups_per_round(samples: Sequence[Dict[str, Any]]) -> List[float]:
@@ -214,6 +244,8 @@ def summarize_scale(cfg: ScaleConfig, reports: Sequence[Dict[str, Any]], workers
         "peers_known_max": peers_known,
         "peers_known_min_of_max": min(seen) if seen else None,
         "peers_that_missed_some": sum(1 for p in seen if p < n) + sum(1 for p in peers_known if p is None),
+        "mixed_rounds": sum(1 for r in averaged if r.get("mixed")),
+        "rounds_to_mix": rounds_to_mix(reports),
         "final_models": len(set(last_digests)),
         "final_digests": dict(Counter(last_digests)),
         # --max-outer-steps counts a worker's syncs, not the run's step: one that took the state instead of a round
@@ -273,18 +305,28 @@ def scale_row(r: Dict[str, Any]) -> str:
     outcomes = ", ".join(f"{k} {v}" for k, v in r["outcomes"].items()) or "-"
     lookups = r["lookups_per_peer_per_round"]
     cells = [
-        str(r["peers"]), r["status"], f"{r['wall_s']:.0f}", split("median"), split("max"),
+        str(r["peers"]) + (f" (G={r['config']['group_size']})" if r.get("config", {}).get("group_size") else ""),
+        r["status"], f"{r['wall_s']:.0f}", split("median"), split("max"),
         f"{_fmt(r['bytes_sent_per_round']['median'], '.2f', MB)} / "
         f"{_fmt(r['bytes_received_per_round']['median'], '.2f', MB)}",
         format_steps(r["steps"]) or "-", outcomes, str(r["failed_attempts"]),
         f"{_fmt(lookups['median'])}, {_fmt(lookups['max'])}",
-        f"{_fmt(r['peers_known_min_of_max'], '.0f')} of {r['peers']}", final_models(r),
+        f"{_fmt(r['peers_known_min_of_max'], '.0f')} of {r['peers']}", final_models(r) + mixing_cell(r),
         f"{_fmt(r['cpu_s_per_peer']['median'], '.0f')}, {_fmt(r['cpu_s_per_peer']['max'], '.0f')}",
         f"{_fmt(r['peak_rss_per_peer']['median'], '.0f', MB)}, {_fmt(r['peak_rss_per_peer']['max'], '.0f', MB)}",
         f"{_fmt(r['peak_pss_per_peer']['median'], '.0f', MB)}, {_fmt(r['peak_pss_per_peer']['max'], '.0f', MB)}",
         f"{_fmt(r['largest_n_in_budget_rss'], 'd')}, {_fmt(r['largest_n_in_budget_pss'], 'd')}",
     ]
     return "| " + " | ".join(cells) + " |"
+
+
+def mixing_cell(r: Dict[str, Any]) -> str:
+    """``; 24 mixed rounds, all states met within 2 rounds`` for a run in mixing groups, else empty."""
+    if not r.get("mixed_rounds"):
+        return ""
+    met = min((x for x in r.get("rounds_to_mix", []) if x), default=None)
+    return f"; {r['mixed_rounds']} mixed rounds, " + (f"all states met within {met} rounds" if met else
+                                                      "the states had not all met by the end")
 
 
 def final_models(r: Dict[str, Any]) -> str:
@@ -297,7 +339,8 @@ def final_models(r: Dict[str, Any]) -> str:
 def scale_markdown(results: Sequence[Dict[str, Any]]) -> str:
     lines = ["# p2ptrain bench --scale", "",
              "N real `join` workers started at once on loopback (tiny model, one torch thread each, "
-             "`--target-group-size N`) and a bootstrap peer, on one machine. Round times are each worker's syncs "
+             "`--target-group-size N`, or G where the N column says `(G=...)`: mixing groups, see "
+             "docs/ARCHITECTURE.md) and a bootstrap peer, on one machine. Round times are each worker's syncs "
              "(not a state taken after being left behind): mm = matchmaking, ar = all-reduce. Bytes: the all-reduce "
              "payload of the rounds that averaged. Groups per outer step: `8+2+1x3` is a group of 8, one of 2 and "
              "three workers alone; *behind* ones took the swarm's state instead. Peers known: the most live peers a "
@@ -474,7 +517,8 @@ def run_one(cfg: ScaleConfig, out: Path, echo: Callable[[str], None] = print) ->
 
 
 def run_scale(peer_counts: Sequence[int], *, out: Path, local_steps: int = 10, outer_steps: int = 3,
-              timeout_s: float = 600.0, echo: Callable[[str], None] = print) -> Dict[str, Any]:
+              timeout_s: float = 600.0, group_size: Optional[int] = None,
+              echo: Callable[[str], None] = print) -> Dict[str, Any]:
     """Each N in turn (a fresh bootstrap peer and run for each); scale.json, scale.md and scale.png are rewritten
     after every N. A SIGTERM or SIGINT stops the daemons as a Ctrl-C does (``local.interrupts_raised``)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -483,7 +527,8 @@ def run_scale(peer_counts: Sequence[int], *, out: Path, local_steps: int = 10, o
 
     with interrupts_raised():
         for n in peer_counts:
-            cfg = ScaleConfig(peers=n, local_steps=local_steps, outer_steps=outer_steps, timeout_s=timeout_s)
+            cfg = ScaleConfig(peers=n, local_steps=local_steps, outer_steps=outer_steps, timeout_s=timeout_s,
+                              group_size=group_size if group_size and group_size < n else None)
             try:
                 result = run_one(cfg, out / f"n{n}", echo)
             except DaemonError as e:

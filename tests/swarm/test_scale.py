@@ -186,6 +186,42 @@ def test_eight_workers_at_once_average_as_one_group_every_round(tmp_path):
 @pytest.mark.swarm
 @pytest.mark.slow  # real workers: 15-25 s each, and the default suite is near its 10 minutes
 @pytest.mark.timeout(300)
+def test_eight_workers_in_mixing_groups_of_four(tmp_path):
+    """Issue 21's mixing test: 8 workers started at once with --target-group-size 4 (p2ptrain/mixing.py). No DHT
+    split; every round of every worker committed, in two groups of 4; the second round's groups each hold two
+    members of each of the first round's, so every worker's state has reached every other's within 2 rounds; the
+    rounds whose members came from different groups averaged their stepped states; and the members of one group end
+    each round bit-identical."""
+    out, log = tmp_path / "out", tmp_path / "bench.log"
+    proc = subprocess.Popen([sys.executable, "-m", "p2ptrain", "bench", "--scale", "8", "--scale-group-size", "4",
+                             "--loopback", "--outer-steps", "3", "--out", str(out)], stdout=open(log, "wb"),
+                            stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert exit_code(proc, 240, log) == 0, log.read_text()[-3000:]
+    result, = json.loads((out / "scale.json").read_text())["results"]
+    assert result["status"] == "ok" and result["config"]["group_size"] == 4, result["problems"]
+    assert result["workers_reporting"] == 8 and result["peers_known_min_of_max"] == 8
+    assert [(s["outer_step"], s["groups"], s["behind"]) for s in result["steps"]] == \
+        [(1, [4, 4], 0), (2, [4, 4], 0), (3, [4, 4], 0)], result["steps"]
+    assert result["outcomes"] == {"committed": 24}
+    assert result["rounds_to_mix"][0] is not None and result["rounds_to_mix"][0] <= 2, result["rounds_to_mix"]
+    reports = [json.loads((out / "n8" / f"w{i}.json").read_text()) for i in range(8)]
+    by_round: dict = {}
+    for report in reports:
+        for r in report["rounds"]:
+            by_round.setdefault((r["outer_step"], tuple(r["members"])), set()).add(r["digest"])
+    assert all(len(digests) == 1 for digests in by_round.values()), by_round  # bit-identical within a group
+    # the first round's groups are rows of a random order of the 8, the second's its columns: each group of the
+    # second round holds 2 members of each group of the first
+    groups = [sorted(members for step, members in by_round if step == s) for s in (1, 2)]
+    assert all(len(set(a) & set(b)) == 2 for a in groups[0] for b in groups[1]), groups
+    # from the second round on, groups mix members of different earlier groups (digests differ): stepped states
+    assert result["mixed_rounds"] >= 4 and not any(r["mixed"] for report in reports for r in report["rounds"][:1])
+    assert 0 < result["bytes_sent_per_round"]["max"] < 10e6
+
+
+@pytest.mark.swarm
+@pytest.mark.slow  # real workers: 15-25 s each, and the default suite is near its 10 minutes
+@pytest.mark.timeout(300)
 def test_ctrl_c_stops_every_daemon_and_keeps_the_figures(tmp_path):
     out, log = tmp_path / "out", tmp_path / "bench.log"
     proc = subprocess.Popen([sys.executable, "-m", "p2ptrain", "bench", "--scale", "2", "--loopback", "--outer-steps",
