@@ -193,7 +193,10 @@ class Rounds:
             # (members of our cell one step ahead averaged without us: they are not coming)
             lone_cell = bool(bits) and not [p for p in members if p not in outlook.next_step and p != self._me()]
             if alone and (lone_cell or position.outer_step > 0 and not recently or attempts > 0) and not forming:
-                if attempts == 0:
+                if attempts == 0 and lone_cell:
+                    logger.info(f"{self._tag()} no other member of this peer's mixing group is left at outer step "
+                                f"{position.outer_step}: stepping alone (a later round mixes this state in)")
+                elif attempts == 0:
                     logger.info(f"{self._tag()} no other live peer is at outer step {position.outer_step}: not "
                                 "looking for a group")
                 break
