@@ -248,6 +248,10 @@ class TrainConfig:
                                                                     "(--max-outer-steps counts this peer's syncs instead)")
     """leave cleanly once the swarm's outer step that this peer holds reaches this number (an absolute step of the
     run: a peer that joins or resumes at or past it leaves without training); unset: no limit"""
+    wait_for_peers: Optional[int] = setting(None, at_least=1)
+    """start training only once this many peers of the run (this one included) are ready to train, for a fleet
+    started together: its first round then draws its groups from all of them, instead of forming without the ones
+    still starting up; unset: train at once"""
     eval_batches: int = setting(8, at_least=1)
     """held-out batches for the eval loss, measured at start and after every sync"""
     eval_every: Optional[int] = setting(None, at_least=1)

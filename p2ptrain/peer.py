@@ -31,7 +31,7 @@ from p2ptrain.observe import listen_problem
 from p2ptrain.observe.telemetry import Telemetry, TelemetryPublisher
 from p2ptrain.ranks import LocalRanks, PeerRanks, start_ranks
 from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht, visible_maddrs
-from p2ptrain.swarm.progress import ProgressPublisher
+from p2ptrain.swarm.progress import ProgressPublisher, wait_for_peers
 from p2ptrain.swarm.reachability import connection_counts
 from p2ptrain.swarm.shards import claim_shard
 from p2ptrain.train_loop import TrainLoop, compile_model, evaluate_held_out
@@ -186,6 +186,10 @@ class Worker:
                 opt.interrupt()
             if resumed is not None:
                 self._restore(resumed, model, batches)
+            if train_cfg.wait_for_peers:
+                if ranks.leader:
+                    wait_for_peers(dht, cfg.run_id, train_cfg.wait_for_peers, self._stop)
+                ranks.broadcast(None)  # the other ranks wait for the leader here
             joined_rounds = self._catch_up()
             shards.continue_from_cursor()
             shards.note("resumed" if resumed is not None else "claimed")

@@ -72,7 +72,10 @@ def worker_args(cfg: ScaleConfig, initial_peer: str, run_id: str, report: Path) 
     return ["join", "--initial-peers", initial_peer, "--host-maddrs", LOOPBACK, "--run-id", run_id,
             "--model", cfg.model, "--threads", "1", "--no-progress", "--report", str(report), "--metrics-port", "0",
             "--local-steps", str(cfg.local_steps), "--max-outer-steps", str(cfg.outer_steps),
-            "--target-group-size", str(cfg.group_size or cfg.peers), "--num-shards", str(cfg.num_shards)]
+            "--target-group-size", str(cfg.group_size or cfg.peers), "--num-shards", str(cfg.num_shards),
+            # a fleet started together trains together: on 2 cores 8 workers come up 8-17 s apart, and a first round
+            # drawn without the last ones left them alone in it
+            "--wait-for-peers", str(cfg.peers)]
 
 
 # ------------------------------------------------------------------------------------------------ pure figures

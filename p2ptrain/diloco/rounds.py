@@ -50,21 +50,29 @@ _EVERYBODY = _Everybody()
 
 
 def outlook_of(records: Iterable[PeerProgress], outer_step: int, local_step: int,
-               last_group: Collection[str] = (), applied_by: Optional[int] = None) -> RoundOutlook:
+               last_group: Collection[str] = (), applied_by: Optional[int] = None,
+               mixing: bool = False) -> RoundOutlook:
     """Sort the other live peers' records for the round at ``outer_step``: ready (at this sync point), late (still in
     their inner steps) or ahead. A member of our last round whose record still shows the step before counts as late:
     it stores its commit a moment after ours, and a peer that reads the records at once must not think it gone and
     step alone (seen with a fast peer next to a slow one). ``applied_by`` (a fragment's round, streaming sync): a peer
-    of this outer step past this local step has applied the fragment already, so it is ahead too."""
+    of this outer step past this local step has applied the fragment already, so it is ahead too. ``mixing``
+    (mixing groups): every peer still at the step before is late, as the groups of the round before finish at
+    their own pace (CI: a cell of 4 started without a member 0.3 s away, still in its earlier group's round)."""
     ready, late, ahead = [], {}, False
     next_step, previous_step, far_ahead = [], [], False
     for record in records:
+        if record.leaving:
+            # a peer that finished this round and left: never waited for, but its cell stays as drawn
+            if record.outer_step == outer_step + 1:
+                next_step.append(record.peer_id)
+            continue
         ahead |= record.outer_step > outer_step
         ahead |= applied_by is not None and record.outer_step == outer_step and record.local_step > applied_by
         far_ahead |= record.outer_step > outer_step + 1
         if record.outer_step == outer_step + 1:
             next_step.append(record.peer_id)
-        if record.outer_step == outer_step - 1 and record.peer_id in last_group:
+        if record.outer_step == outer_step - 1 and (mixing or record.peer_id in last_group):
             late[record.peer_id] = record.local_step
         elif record.outer_step == outer_step - 1:
             previous_step.append(record.peer_id)
@@ -356,11 +364,11 @@ class Rounds:
     def outlook(self, position: Position) -> RoundOutlook:
         """Read the run's progress records: is the swarm ahead, and who at this outer step is ready or late."""
         me = self.dht.peer_id.to_base58()
-        records = [r for r in fetch_progress(self.dht, self.run_id, timeout_s=5.0) if r.peer_id != me]
-        if records:
+        records = [r for r in fetch_progress(self.dht, self.run_id, timeout_s=5.0, leaving=True) if r.peer_id != me]
+        if any(not r.leaving for r in records):
             self.progress.others_seen_at = time.monotonic()
         return outlook_of(records, position.outer_step, position.local_step, position.last_group,
-                          position.applied_by)
+                          position.applied_by, mixing=self.settings.mixing)
 
     def swarm_outer_step(self) -> int:
         """The highest outer step among the run's other live peers (from their progress records), or -1."""

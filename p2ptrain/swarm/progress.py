@@ -248,15 +248,23 @@ class ProgressPublisher:
         return stored
 
     def withdraw(self, timeout_s: float = 5.0) -> None:
-        """Overwrite our record with an empty one, so we leave `status` on a clean exit. Waits (bounded) for the
-        store: the caller usually shuts the DHT down next, which would drop a store still in flight."""
+        """Overwrite our record with a leaving one (``PeerProgress.leaving``; empty if we never published one), so
+        we leave `status` and the rounds on a clean exit. Waits (bounded) for the store: the caller usually shuts
+        the DHT down next, which would drop a store still in flight."""
         self._heartbeat_stop.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=timeout_s)
-        # the DHT keeps whichever value of a subkey expires last, so the empty record must outlive the last real one
+        # the DHT keeps whichever value of a subkey expires last, so the leaving record must outlive the last live
+        # one; it lasts no longer than that one would have, plus a second
         expiration = max(self._last_expiration, get_dht_time()) + 1.0
+        value = b""
+        if self._last_fields is not None:
+            fields = self._last_fields
+            value = PeerProgress(run_id=self.run_id, peer_id=self.dht.peer_id.to_base58(),
+                                 outer_step=fields["outer_step"], local_step=fields["local_step"],
+                                 timestamp=get_dht_time(), leaving=True).SerializeToString()
         try:
-            self._store(b"", expiration).result(timeout=timeout_s)
+            self._store(value, expiration).result(timeout=timeout_s)
         except Exception as e:
             logger.debug(f"Could not withdraw the progress record: {e!r}")
 
@@ -276,10 +284,12 @@ class ProgressPublisher:
         )
 
 
-def fetch_progress(dht: DHT, run_id: str, timeout_s: float = 10.0, *, strict: bool = False) -> List[PeerProgress]:
+def fetch_progress(dht: DHT, run_id: str, timeout_s: float = 10.0, *, strict: bool = False,
+                   leaving: bool = False) -> List[PeerProgress]:
     """The run's live peers' latest records, sorted by peer id. Malformed records are logged and skipped. A failed
     read (a timeout, the DHT shutting down) is logged and reads as no record; ``strict``: it raises instead, for a
-    reader that keeps its last answer (the dashboard), to whom "no peer" and "could not look" differ."""
+    reader that keeps its last answer (the dashboard), to whom "no peer" and "could not look" differ. ``leaving``:
+    the records of peers that left cleanly a moment ago too (``PeerProgress.leaving``; the rounds' mixing draw)."""
     try:
         found = dht.get(progress_key(run_id), latest=True, return_future=True).result(timeout=timeout_s)
     except Exception as e:
@@ -296,9 +306,33 @@ def fetch_progress(dht: DHT, run_id: str, timeout_s: float = 10.0, *, strict: bo
     records = []
     for subkey, entry in found.value.items():
         record = parse_progress(subkey, entry, run_id)
-        if record is not None:
+        if record is not None and (leaving or not record.leaving):
             records.append(record)
     return sorted(records, key=lambda r: r.peer_id)
+
+
+def wait_for_peers(dht: DHT, run_id: str, count: int, stop: threading.Event, *, poll_s: float = 1.0,
+                   log_every_s: float = 10.0) -> bool:
+    """Block until ``count`` peers of the run (this one included) are ready to train: True, or False if ``stop``
+    was set first. Ready: its record carries the tensor schema, which a DiLoCoOptimizer publishes once it joined
+    (a worker's shard claim comes before its model is built: on 2 cores 8 workers claimed within a second and
+    joined 8 s apart). Logs how many are there every ``log_every_s``. Only the number counts: a fleet started
+    together starts together, and a peer joining a swarm that has them already goes on at once."""
+    started, logged, seen = time.monotonic(), time.monotonic(), 0
+    me = dht.peer_id.to_base58()
+    while not stop.is_set():
+        records = fetch_progress(dht, run_id, timeout_s=max(poll_s, 5.0))
+        seen = 1 + sum(r.peer_id != me and bool(r.params_schema) for r in records)
+        if seen >= count:
+            logger.info(f"{seen} peers of run {run_id!r} are ready (--wait-for-peers {count}): training starts "
+                        f"after {time.monotonic() - started:.1f}s")
+            return True
+        if time.monotonic() - logged >= log_every_s:
+            logged = time.monotonic()
+            logger.info(f"waiting for peers (--wait-for-peers {count}): {seen}/{count} ready after "
+                        f"{logged - started:.0f}s")
+        stop.wait(poll_s)
+    return False
 
 
 def subkey_peer_id(subkey: object) -> Optional[str]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from p2ptrain import DiLoCoOptimizer
-from p2ptrain.swarm.progress import RunMismatch, fetch_progress
+from p2ptrain.swarm.progress import ProgressPublisher, RunMismatch, fetch_progress, wait_for_peers
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 
@@ -144,6 +144,9 @@ def test_building_starts_nothing_and_start_and_shutdown_are_explicit_and_idempot
     opt.shutdown()  # again: nothing left to do
     assert not opt.averager.is_alive()
     assert fetch_progress(dht, "life", timeout_s=2.0) == []  # withdrawn
+    # ... by a leaving record, which the rounds still read (mixing groups: the cells of the round it finished)
+    left, = fetch_progress(dht, "life", timeout_s=2.0, leaving=True)
+    assert left.leaving and left.peer_id == dht.peer_id.to_base58() and left.outer_step == 1
     with pytest.raises(RuntimeError, match="was shut down"):
         opt.start()
 
@@ -181,3 +184,26 @@ def test_the_with_block_joins_and_leaves_the_run(dht):
             1 / 0  # the user's loop fails: the block still leaves the run
     assert not opt.averager.is_alive()
     assert fetch_progress(dht, "block", timeout_s=2.0) == []
+
+
+def test_wait_for_peers_counts_peers_ready_to_train_and_gives_way_to_a_stop(dht):
+    """--wait-for-peers: a second DHT node whose record comes from a shard claim (no optimizer yet) is not ready;
+    once its optimizer joined, two are. A stop ends the wait without training."""
+    other = hivemind.DHT(start=True, initial_peers=[str(a) for a in dht.get_visible_maddrs()],
+                         host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        _, mine = make(dht, run_id="fleet")
+        claim = ProgressPublisher(other, "fleet")
+        claim.publish(outer_step=0, local_step=0, samples_per_s=0.0, samples_since_sync=0, wait_s=5.0)
+        stop = threading.Event()
+        threading.Timer(3.0, stop.set).start()
+        started = time.monotonic()
+        assert not wait_for_peers(dht, "fleet", 2, stop, poll_s=0.2)  # the claim alone is not ready
+        assert time.monotonic() - started >= 2.5
+        _, theirs = make(other, run_id="fleet", progress=claim)  # as a worker does: one publisher throughout
+        assert wait_for_peers(dht, "fleet", 2, threading.Event(), poll_s=0.2)
+        assert wait_for_peers(dht, "fleet", 1, threading.Event())  # this one alone
+        theirs.shutdown()
+        mine.shutdown()
+    finally:
+        other.shutdown()

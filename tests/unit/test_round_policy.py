@@ -184,6 +184,24 @@ def test_the_records_sorted_into_ready_late_and_ahead():
     assert not outlook_of(records[:3], outer_step=5, local_step=100).ahead
 
 
+def test_a_peer_that_left_cleanly_after_this_round_is_drawn_but_never_waited_for():
+    """Mixing groups: a peer whose group finished this round and that then left (its leaving record) keeps its
+    place in the round's draw (CI: the others drew 5 peers instead of 8 and formed groups 3 + 2), but is not ahead,
+    ready or late. One that left before this round is not drawn."""
+    gone = PeerProgress(run_id="r", peer_id="L", outer_step=6, local_step=0, leaving=True)
+    earlier = PeerProgress(run_id="r", peer_id="M", outer_step=5, local_step=90, leaving=True)
+    outlook = outlook_of([record("B", 5, 100), gone, earlier], outer_step=5, local_step=100)
+    assert outlook == RoundOutlook(ahead=False, ready=["B"], late={}, next_step=["L"])
+
+
+def test_mixing_groups_wait_for_a_peer_still_in_the_round_before():
+    """Mixing groups finish a round at their own pace: a peer of another group still at the step before is late
+    (a cell of 4 once started without a member 0.3 s away); in one group it was not ours, so it catches up alone."""
+    records = [record("B", 5, 100), record("D", 4, 80)]
+    assert outlook_of(records, outer_step=5, local_step=100, mixing=True).late == {"D": 80}
+    assert outlook_of(records, outer_step=5, local_step=100).late == {}
+
+
 def test_a_member_of_our_last_round_not_yet_showing_its_commit_is_late_not_gone():
     """A fast peer reads the records right after a round: the slow member's record still shows the step before.
     Counted as absent, the fast peer stepped alone next to it (CI: group sizes [2, 1, 1])."""
