@@ -211,6 +211,7 @@ class Worker:
                              evaluate=evaluate if train_cfg.eval_every else None, telemetry=self.telemetry)
             loop.run(model, batches, device)
             self._phase = "leaving"
+            shards.flush()  # the last commit's data cursors, before the DHT goes
             # only on a normal exit (done or signalled): after an exception the state may be half-updated
             self._save_checkpoint("exit")
         finally:

@@ -82,8 +82,9 @@ def cursor_key(run_id: str) -> str:
     return f"{run_id}_shards"
 
 
-def publish_cursor(dht: hivemind.DHT, run_id: str, data_state: dict, outer_step: int) -> None:
-    """Publish where this peer's shard is (``ShardedBatches.state_dict()``) in the background; never blocks."""
+def publish_cursor(dht: hivemind.DHT, run_id: str, data_state: dict, outer_step: int):
+    """Publish where this peer's shard is (``ShardedBatches.state_dict()``) in the background; never blocks.
+    Returns the store's future: a peer about to leave waits for it (``DataShardTracker.flush``)."""
     cursor = ShardCursor(
         run_id=run_id,
         shard_index=data_state["shard_index"],
@@ -97,8 +98,9 @@ def publish_cursor(dht: hivemind.DHT, run_id: str, data_state: dict, outer_step:
         peer_id=dht.peer_id.to_base58(),
         timestamp=get_dht_time(),
     )
-    dht.store(cursor_key(run_id), cursor.SerializeToString(), expiration_time=get_dht_time() + CURSOR_EXPIRATION_S,
-              subkey=data_state["shard_index"], return_future=True)
+    return dht.store(cursor_key(run_id), cursor.SerializeToString(),
+                     expiration_time=get_dht_time() + CURSOR_EXPIRATION_S, subkey=data_state["shard_index"],
+                     return_future=True)
 
 
 def fetch_cursors(dht: hivemind.DHT, run_id: str, timeout_s: float = 10.0) -> Dict[int, ShardCursor]:

@@ -272,6 +272,17 @@ def test_error_feedback_residual_is_applied_whole_when_alone(two_dhts):
         opt.close()
 
 
+def sync_together(opts, timeout_s: float = 60.0) -> bool:
+    """Every optimizer's sync() at once, each in a thread of its own (a round needs them all at the same time);
+    True if all of them returned within ``timeout_s`` each."""
+    threads = [threading.Thread(target=opt.sync) for opt in opts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout_s)
+    return not any(t.is_alive() for t in threads)
+
+
 def sync_once(dhts, run_id: str, prepare) -> list:
     """Build one optimizer per DHT (compression none), let ``prepare(i, model, opt)`` set up each peer's state
     before its first sync, sync both concurrently; returns (model, opt) pairs and the start parameters."""
@@ -286,11 +297,7 @@ def sync_once(dhts, run_id: str, prepare) -> list:
     for i, (model, opt) in enumerate(zip(models, opts)):
         prepare(i, model, opt)
         before.append([p.detach().clone() for p in model.parameters()])
-    threads = [threading.Thread(target=opt.sync) for opt in opts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    sync_together(opts)
     return models, opts, start, before
 
 
@@ -366,11 +373,7 @@ def test_group_in_which_every_peer_weighs_zero_averages_nothing_and_bans_nobody(
                 for p in model.parameters():
                     p.add_(0.01 * (i + 1))
             opts[i].samples_since_sync = 8
-        threads = [threading.Thread(target=opt.sync) for opt in opts]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
+        sync_together(opts)
         for opt in opts:
             assert opt.history[-1].averaged and opt.history[-1].group_size == 2, opt.history
         for a, b in zip(models[0].parameters(), models[1].parameters()):
@@ -470,11 +473,7 @@ def test_diverged_global_parameters_are_detected_and_repaired(two_dhts):
         with torch.no_grad():  # peer 1's global parameters silently drift by one ulp-sized step
             opts[1].global_params[0].view(-1)[0] += 1e-3
         opts[1]._digest = opts[1]._global_digest()
-        threads = [threading.Thread(target=opt.sync) for opt in opts]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
+        sync_together(opts)
         records = [opt.history[-1] for opt in opts]
         assert all(r.averaged and r.group_size == 2 for r in records)
         assert sum(r.repaired for r in records) == 1, records
@@ -514,11 +513,7 @@ def test_diverged_members_of_a_mixing_group_average_their_stepped_states(two_dht
                            momentum_buffers(opt.outer_optimizer, opt.global_params), gradient, group["lr"],
                            group["momentum"])
             expected.append(stepped_p)
-        threads = [threading.Thread(target=opt.sync) for opt in opts]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
+        sync_together(opts)
         records = [opt.history[-1] for opt in opts]
         assert all(r.averaged and r.group_size == 2 and r.mixed and not r.repaired for r in records), records
         for a, b, e0, e1 in zip(opts[0].global_params, opts[1].global_params, *expected):
@@ -562,12 +557,7 @@ def test_undecodable_parts_get_the_sender_banned_not_the_reducer_killed(two_dhts
             for i, model in enumerate(models):
                 for p in model.parameters():
                     p.add_(0.01 * (i + 1))
-        threads = [threading.Thread(target=opt.sync) for opt in opts]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert not any(t.is_alive() for t in threads)
+        assert sync_together(opts, timeout_s=120)
         for opt in opts:
             assert opt.averager.is_alive()
             assert opt.history, "the sync returned no record"
@@ -618,11 +608,7 @@ def test_half_precision_group_result_by_value_over_several_parts(two_dhts, compr
     try:
         part_size = opts[0].averager.part_size_bytes
         assert len(wire_parts(sent[0][0], codec, part_size)) == 3
-        threads = [threading.Thread(target=opt.sync) for opt in opts]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
+        sync_together(opts)
         average = group_average(sent, samples, codec, part_size)
         # written out: the first outer step of Nesterov SGD moves by lr * (1 + momentum) * gradient
         want = [s - 0.7 * 1.9 * a for s, a in zip(starts[0], average)]
