@@ -136,7 +136,9 @@ def test_largest_fit_and_worker_args():
     args = worker_args(ScaleConfig(peers=32), "/ip4/127.0.0.1/tcp/1/p2p/Qm", "r", "w.json")
     flags = dict(zip(args, args[1:]))  # each flag with the word after it
     assert flags["--target-group-size"] == "32" and flags["--num-shards"] == "32"
-    assert worker_args(ScaleConfig(peers=4), "x", "r", "w.json")[-1] == "16"  # --num-shards max(16, N)
+    flags = worker_args(ScaleConfig(peers=4), "x", "r", "w.json")
+    assert dict(zip(flags, flags[1:]))["--num-shards"] == "16"  # max(16, N)
+    assert flags[-2:] == ["--wait-for-peers", "4"]  # a fleet started together trains together
 
 
 def test_parse_metrics_of_a_real_exposition():
