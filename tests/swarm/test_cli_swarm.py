@@ -229,6 +229,7 @@ def test_first_signal_leaves_a_waiting_sync_cleanly(tmp_path):
     assert "left after 0 outer steps (signal); eval loss 5.5557, no round committed" in log.read_text()
 
 
+@pytest.mark.slow  # 13 s, next to test_first_signal_leaves_a_waiting_sync_cleanly: the default suite was at 9:46
 def test_ctrl_c_in_a_terminal_leaves_cleanly(tmp_path):
     # a terminal's Ctrl-C signals the whole foreground process group: p2pd and the hivemind processes must not die
     # under the peer while it leaves (before, p2pd exited at once and the averager's shutdown failed with a traceback)

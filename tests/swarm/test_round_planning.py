@@ -268,6 +268,7 @@ def three_fp16_averagers(nodes, prefix: str, **timeouts) -> list:
             for i, node in enumerate(nodes)]
 
 
+@pytest.mark.slow  # 13 s: the default suite reached 9:46 of its 10 minutes on 2 cores (CI runs it after)
 def test_every_sender_hangs_up_on_its_reducers_once_it_holds_their_averages(dhts):
     """Protocol 6: a reducer holds each sender's stream open after its last average until the sender hangs up
     (ExactAllReduceRunner.rpc_aggregate_part), because a reducer that closed first could lose that average in the
