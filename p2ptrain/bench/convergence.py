@@ -274,13 +274,16 @@ def mixing_name(local_steps: int, compression: str, group_size: int) -> str:
 
 def experiment(lengths: List[int], local_steps: List[int], compressions: List[str], setup: Setup = Setup(),
                echo: Callable[[str], None] = print, swarm_out: Optional[Path] = None,
-               streaming: Sequence[tuple] = (), mixing: Sequence[int] = ()) -> Dict:
+               streaming: Sequence[tuple] = (), mixing: Sequence[int] = (), sparse: Sequence[int] = ()) -> Dict:
     """Final eval losses of alone, data-parallel and DiLoCo (each H and codec), at each run length; with
     ``swarm_out``, also the real swarm for the largest H and the first codec (its logs go there). ``streaming``:
     (fragments, overlap steps or None for the most allowed) schedules, each a Streaming DiLoCo row for every H and
     codec, and (with ``swarm_out``) a real swarm row with it. ``mixing``: group sizes G, each a row of DiLoCo in
     mixing groups of at most G (``run_mixing``) after every H and codec's one-group row, with the replicas' spread
-    per round and the loss of their mean in the report."""
+    per round and the loss of their mean in the report. ``sparse``: values kept per chunk k, each a row of
+    SparseLoCo's round (``convergence_sparse.run_sparse``) after every H's one-group rows."""
+    from p2ptrain.bench.convergence_sparse import run_sparse, sparse_name
+
     results: Dict = {"setup": setup.__dict__, "runs": []}
     for steps in lengths:
         s = Setup(**{**setup.__dict__, "steps": steps})
@@ -291,6 +294,7 @@ def experiment(lengths: List[int], local_steps: List[int], compressions: List[st
                 runs.append((f"diloco H={h} {c}", h, c, (lambda h=h, c=c: run_diloco(s, h, c))))
                 runs += [(mixing_name(h, c, g), h, c, (lambda h=h, c=c, g=g: run_mixing(s, h, g, c)))
                          for g in mixing]
+            runs += [(sparse_name(h, k), h, "sparse", (lambda h=h, k=k: run_sparse(s, h, k))) for k in sparse]
         schedules = [(f, h // f - 1 if tau is None else tau, h) for f, tau in streaming for h in local_steps
                      if (f, tau) != (1, 0)]
         # streaming rows are judged on the mean of the replicas: at the end every fragment but the last holds local
@@ -368,14 +372,14 @@ def mixing_table(results: Dict) -> List[str]:
 
 def write_convergence(lengths: List[int], local_steps: List[int], compressions: List[str], setup: Setup, out: Path,
                       echo: Callable[[str], None] = print, streaming: Sequence[tuple] = (),
-                      mixing: Sequence[int] = (), swarm: bool = True) -> Path:
+                      mixing: Sequence[int] = (), swarm: bool = True, sparse: Sequence[int] = ()) -> Path:
     """Run the experiment (the swarm included unless not ``swarm``) and write ``out/convergence.md`` and
     ``out/convergence.json``."""
     import json
 
     out.mkdir(parents=True, exist_ok=True)
     results = experiment(lengths, local_steps, compressions, setup, echo=echo, swarm_out=out if swarm else None,
-                         streaming=streaming, mixing=mixing)
+                         streaming=streaming, mixing=mixing, sparse=sparse)
     (out / "convergence.json").write_text(json.dumps(results, indent=1))
     lines = ["# Convergence: alone, data-parallel and DiLoCo at the same inner steps per peer", "",
              f"Model {setup.model}, {setup.peers} peers (data-parallel: {setup.peers} x batch {setup.batch_size}), "
@@ -384,5 +388,10 @@ def write_convergence(lengths: List[int], local_steps: List[int], compressions: 
     mixing_lines = mixing_table(results)
     if mixing_lines:
         lines += ["## Mixing groups", "", *mixing_lines, ""]
+    if sparse:
+        from p2ptrain.bench.convergence_sparse import bytes_table, plot_loss_per_byte
+
+        lines += ["## Bytes: sparse against dense", "", *bytes_table(results, setup), "",
+                  f"![eval loss against bytes sent]({plot_loss_per_byte(results, setup, out).name})", ""]
     (out / "convergence.md").write_text("\n".join(lines))
     return out / "convergence.md"

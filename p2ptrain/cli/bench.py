@@ -65,6 +65,9 @@ def _streaming_schedule(text: str) -> tuple:
 @click.option("--mixing-group-size", "mixing_group_sizes", type=click.IntRange(min=2), multiple=True,
               help="--convergence: also DiLoCo in Moshpit mixing groups of at most G peers (repeatable), a row next "
                    "to each H and codec's one-group row, with the replicas' spread per round in the report.")
+@click.option("--sparse-k", "sparse_ks", type=click.IntRange(min=1, max=4096), multiple=True,
+              help="--convergence: also SparseLoCo's sparse 2-bit round keeping k values of every 4096 (repeatable: "
+                   "one row per k and H), with bytes per sync and a plot of eval loss against bytes sent.")
 @click.option("--no-swarm", "no_swarm", is_flag=True,
               help="--convergence: leave out the real swarm's rows (--peers join daemons on this host).")
 @click.option("--scale", "scale_peers", type=click.IntRange(min=2), multiple=True,
@@ -86,7 +89,7 @@ def _streaming_schedule(text: str) -> tuple:
               help="--crowd: workers training when the newcomers come.")
 def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, batch_size, out, behind_nat, groupings,
           streaming, throttles, cpu_per_peer, solo, loopback, clean_only, convergence_steps, mixing_group_sizes,
-          no_swarm, scale_peers, scale_local_steps, scale_group_size, scale_timeout, crowd_newcomers,
+          sparse_ks, no_swarm, scale_peers, scale_local_steps, scale_group_size, scale_timeout, crowd_newcomers,
           crowd_trainers) -> None:
     """Benchmark real swarms over rate-limited links (one network namespace per peer; root needed, else
     loopback): compute utilization, bytes on the wire, sync seconds against the bandwidth bound, eval loss."""
@@ -147,11 +150,12 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
         setup = Setup(model=models[0], peers=peers, batch_size=batch_size)
         report = write_convergence(list(convergence_steps), list(local_steps) or [25, 50], list(compressions), setup,
                                    Path(out), echo=click.echo, streaming=schedules,
-                                   mixing=list(dict.fromkeys(mixing_group_sizes)), swarm=not no_swarm)
+                                   mixing=list(dict.fromkeys(mixing_group_sizes)), swarm=not no_swarm,
+                                   sparse=list(dict.fromkeys(sparse_ks)))
         click.echo(f"report: {report}")
         return
-    if mixing_group_sizes or no_swarm:
-        raise BadInput("--mixing-group-size and --no-swarm go with --convergence")
+    if mixing_group_sizes or no_swarm or sparse_ks:
+        raise BadInput("--mixing-group-size, --sparse-k and --no-swarm go with --convergence")
     if peers > 8:
         raise BadInput(f"--peers {peers}: at most 8 hosts (more only with --convergence)")
     if not local_steps and not phases:
