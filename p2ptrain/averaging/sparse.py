@@ -8,7 +8,7 @@ it. Per peer and round, with the pseudo-gradient g (global parameters at the las
     e <- decay * e + g                       (the accumulator, the peer's own; zeros for a newcomer)
     m  = quantize(top_k(e, per chunk))       (the message this module packs into bytes)
     e <- e - decode(m)                       (what the message carried leaves the accumulator; the rest waits)
-    g_avg = mean over the group's peers of decode(m_i)   (zeros where a peer sent nothing)
+    g_avg = per entry, the mean of decode(m_i) over the peers whose message carried it
     global <- global - outer_lr * g_avg      (plain SGD; the decayed accumulator takes momentum's place)
 
 **Chunks.** A 2-D tensor whose sides are multiples of ``TILE`` (64) is cut into 64x64 tiles; any other tensor,
