@@ -38,25 +38,32 @@ def _order(peer_id: str, round_index: int) -> bytes:
     return hashlib.blake2b(f"{round_index}:{peer_id}".encode(), digest_size=8).digest()
 
 
+def cells_of(peer_ids: Iterable[str], group_size: Optional[int], round_index: int) -> Dict[str, Tuple[int, int]]:
+    """(cells, cell) of every peer of ``peer_ids`` (all the live peers of the round) in round ``round_index``, from
+    one sort of them; empty when everybody is one group."""
+    peers = set(peer_ids)
+    cells = num_cells(len(peers), group_size)
+    if cells == 1:
+        return {}
+    ranked = sorted(peers, key=lambda peer: (_order(peer, round_index // 2), peer))
+    return {peer: (cells, place * cells // len(ranked) if round_index % 2 == 0 else place % cells)
+            for place, peer in enumerate(ranked)}
+
+
 def group_key(peer_id: str, peer_ids: Iterable[str], group_size: Optional[int],
               round_index: int) -> Optional[Tuple[int, int]]:
     """(cells, cell) of ``peer_id`` in round ``round_index`` among ``peer_ids`` (all the live peers of the round,
     itself included or not): equal for the members of one group; None when everybody is one group."""
-    peers = set(peer_ids) | {peer_id}
-    cells = num_cells(len(peers), group_size)
-    if cells == 1:
-        return None
-    ranked = sorted(peers, key=lambda peer: (_order(peer, round_index // 2), peer))
-    place = ranked.index(peer_id)
-    return cells, place * cells // len(ranked) if round_index % 2 == 0 else place % cells
+    return cells_of({*peer_ids, peer_id}, group_size, round_index).get(peer_id)
 
 
 def groups_of(peer_ids: Sequence[str], group_size: Optional[int], round_index: int) -> List[List[str]]:
     """Every group of round ``round_index`` when all ``peer_ids`` read the same records (each group's members
     sorted, groups in cell order)."""
+    keys = cells_of(peer_ids, group_size, round_index)
     groups: Dict[Optional[tuple], List[str]] = {}
     for peer in peer_ids:
-        groups.setdefault(group_key(peer, peer_ids, group_size, round_index), []).append(peer)
+        groups.setdefault(keys.get(peer), []).append(peer)
     return [sorted(groups[key]) for key in sorted(groups, key=lambda key: key or (0, 0))]
 
 

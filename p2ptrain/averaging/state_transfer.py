@@ -268,7 +268,8 @@ class StateTransferMixin:
 
     async def _drop_older_when_idle(self, snapshot: _Snapshot) -> None:
         """Drop an older ``snapshot``, while it is still kept, after ``PREVIOUS_SNAPSHOT_IDLE_S`` unasked."""
-        if await _idle_while(lambda: any(s is snapshot for s in self._older_snapshots), snapshot, PREVIOUS_SNAPSHOT_IDLE_S):
+        kept = (lambda: any(s is snapshot for s in self._older_snapshots))
+        if await _idle_while(kept, snapshot, PREVIOUS_SNAPSHOT_IDLE_S):
             self._older_snapshots = [s for s in self._older_snapshots if s is not snapshot]
 
     async def rpc_download_state(

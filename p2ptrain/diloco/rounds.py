@@ -17,7 +17,7 @@ from hivemind.utils import get_dht_time
 
 from p2ptrain.averaging import RoundResult
 from p2ptrain.diloco.records import Outcome, RoundOutcome, RoundOutlook
-from p2ptrain.mixing import group_key, key_bits
+from p2ptrain.mixing import cells_of, key_bits
 from p2ptrain.swarm.progress import PeerProgress, fetch_progress
 
 logger = logging.getLogger(__package__)  # one logger name for the whole optimizer, as users grep for it
@@ -325,12 +325,10 @@ class Rounds:
         if drawn_from is not None:
             drawn_from |= peers
             peers = drawn_from
-        key = group_key(me, peers, self.settings.target_group_size, position.outer_step)
-        if key is None:
+        keys = cells_of(peers, self.settings.target_group_size, position.outer_step)  # one sort, not one a peer
+        if not keys:
             return "", _EVERYBODY
-        members = {peer for peer in peers if group_key(peer, peers, self.settings.target_group_size,
-                                                       position.outer_step) == key}
-        return key_bits(key), members
+        return key_bits(keys[me]), {peer for peer, key in keys.items() if key == keys[me]}
 
     def _me(self) -> str:
         return self.dht.peer_id.to_base58()
