@@ -337,6 +337,7 @@ class StateTransferMixin:
         missing: List[int] = []
         chunks_by_donor: Counter = Counter()
         failed: List[str] = []  # donors that failed a chunk of the current target: not asked again for it
+        lone: Optional[tuple] = None  # (the newest step, when first seen held by one donor alone)
         while time.monotonic() < deadline:
             donors = await self._declared_donors()
             infos = await asyncio.gather(*(self._ask_info(peer) for peer in donors))
@@ -350,9 +351,15 @@ class StateTransferMixin:
             digests = Counter(info.digest for _, info in answers if info.outer_step == best_step)
             best = (best_step, digests.most_common(1)[0][0])
             chosen = [(peer, info) for peer, info in answers if (info.outer_step, info.digest) == best]
-            if target is None and len(chosen) == 1 < len(answers) and time.monotonic() - started < QUORUM_WAIT_S:
-                await asyncio.sleep(0.25)
-                continue
+            if target is None and len(chosen) == 1 < len(answers):
+                # the wait counts from when this step was first seen held by one donor, not from the download's
+                # start: a crowd newcomer that had waited out the window on the step before found a fellow newcomer
+                # alone at the next one (it had committed a moment before the trainers) and took every chunk from it
+                if lone is None or lone[0] != best:
+                    lone = (best, time.monotonic())
+                if time.monotonic() - lone[1] < QUORUM_WAIT_S:
+                    await asyncio.sleep(0.25)
+                    continue
             if best != target:  # first round, or the swarm moved on: start over at the newer state
                 target, info = best, chosen[0][1]
                 failed.clear()

@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Dict, Iterable, List, Optional
 
+from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
 from hivemind.utils import get_dht_time
@@ -31,6 +32,11 @@ and, one short phase later, was behind again"""
 FORMING_LOOK_S = 1.0
 """mixing groups' first round: how often a peer whose cell still has members starting up reads the records again"""
 MAX_INCOMPLETE_RETRIES = 2  # re-runs of a round that a member's failure left incomplete, under any policy
+BEHIND_POLL_S = 0.5
+"""while a peer looks for its group, how often it reads the records to see whether the swarm went on without it. A
+round of the tiny model takes 0.1 s and a phase 0.6 s on 2 cores: a newcomer that waited out a 3-5 s matchmaking
+window for a round that had already started fell 6-7 outer steps behind each time, and never averaged (CI); two
+newcomers waiting for the same stale round formed a group of their own after it (a second model, CI)"""
 LATE_PEER_STALL_S = 30.0
 """a live peer of this outer step whose local step has not moved for this long is not waited for (it is stuck,
 or still starting up: it catches up from the swarm's state when it gets to its sync)"""
@@ -47,6 +53,7 @@ class _Everybody:
 
 
 _EVERYBODY = _Everybody()
+_WENT_ON = object()  # an attempt stopped because the swarm moved past its round (Rounds._wait_for_round)
 
 
 def outlook_of(records: Iterable[PeerProgress], outer_step: int, local_step: int,
@@ -237,6 +244,8 @@ class Rounds:
                          f"target {target}, window {window_s:.1f}s")
             incomplete_before = self.averager.incomplete_rounds
             result = self._attempt(weight, position, target, window_s, attempts, mixing_bits=bits)
+            if result is _WENT_ON:
+                return RoundOutcome(Outcome.BEHIND, attempts)
             if result is not None:
                 return RoundOutcome(Outcome.AVERAGED, attempts, result)
             if single_attempt:
@@ -334,9 +343,9 @@ class Rounds:
         return self.dht.peer_id.to_base58()
 
     def _attempt(self, weight: float, position: Position, target: Optional[int], window_s: float,
-                 attempt: int, mixing_bits: str = "") -> Optional[RoundResult]:
+                 attempt: int, mixing_bits: str = "") -> Optional[RoundResult] | object:
         """One matchmaking + all-reduce attempt; None if it formed no group or failed (logged at debug level: the
-        caller decides what a failure means)."""
+        caller decides what a failure means), ``_WENT_ON`` if the swarm finished the round without us meanwhile."""
         try:
             self.averager.set_group_bits(position.group_bits + mixing_bits)
             # the leader waits window_s for followers; allow a request timeout on top
@@ -350,14 +359,35 @@ class Rounds:
                 wait=False,
             )
             # bounded even if the averager process dies mid-round: then this raises TimeoutError
-            result = control.result(timeout=matchmaking_timeout_s + self.settings.averaging_timeout_s + 10.0)
-            if isinstance(result, RoundResult):
+            result = self._wait_for_round(control, position,
+                                          matchmaking_timeout_s + self.settings.averaging_timeout_s + 10.0)
+            if result is _WENT_ON or isinstance(result, RoundResult):
                 return result
         except (AllreduceException, MatchmakingException, TimeoutError, RuntimeError) as e:
             logger.debug(f"{self._tag()} averaging attempt {attempt} failed: {e!r}")
         except Exception as e:  # a network failure is a value: log it, never let it kill training
             logger.warning(f"{self._tag()} averaging attempt {attempt} failed unexpectedly: {e!r}")
         return None
+
+    def _wait_for_round(self, control, position: Position, timeout_s: float):
+        """The step's result. While it is still looking for a group, the records are read every ``BEHIND_POLL_S``:
+        once they show the swarm went on without this peer (``behind``), the step is cancelled (hivemind's leader
+        disbands what it gathered) and ``_WENT_ON`` returned, instead of waiting out the matchmaking window for a
+        round that is over. Never once the all-reduce began: the group would lose a member mid-round."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return control.result(timeout=min(BEHIND_POLL_S, max(deadline - time.monotonic(), 0.0)))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+            if control.stage is not AveragingStage.LOOKING_FOR_GROUP:
+                continue
+            if self.behind(self.outlook(position)) and control.stage is AveragingStage.LOOKING_FOR_GROUP:
+                control.cancel()
+                logger.debug(f"{self._tag()} the swarm went on past outer step {position.outer_step} while this "
+                             "peer looked for its group: stopped looking")
+                return _WENT_ON
 
     def outlook(self, position: Position) -> RoundOutlook:
         """Read the run's progress records: is the swarm ahead, and who at this outer step is ready or late."""
