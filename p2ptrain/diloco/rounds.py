@@ -346,6 +346,15 @@ class Rounds:
                  attempt: int, mixing_bits: str = "") -> Optional[RoundResult] | object:
         """One matchmaking + all-reduce attempt; None if it formed no group or failed (logged at debug level: the
         caller decides what a failure means), ``_WENT_ON`` if the swarm finished the round without us meanwhile."""
+        if self.averager.client_mode:
+            # a client only follows, and a leader refuses a follower whose request expires before the leader's own
+            # declared time (hivemind's BAD_EXPIRATION_TIME): next to a leader waiting 30 s for the first round's
+            # group, a client looking in 3 s windows was refused for 27 s. A long search costs a follower nothing:
+            # it joins the first leader that takes it, and that leader's group starts when it is full. (Longer than
+            # any window a leader plans, by a matchmaking window: a leader that started its own a moment later
+            # still expires first)
+            window_s = max(window_s, FIRST_ROUND_WAIT_S, self._late_peer_wait_s(2, position.phase_started)) + \
+                self.settings.matchmaking_time_s
         try:
             self.averager.set_group_bits(position.group_bits + mixing_bits)
             # the leader waits window_s for followers; allow a request timeout on top

@@ -398,6 +398,10 @@ def test_client_mode_peer_averages_bit_identically():
             for k in range(3):
                 for a, b in zip(snapshots[0][k], snapshots[1][k]):
                     assert torch.equal(a, b), f"parameters differ after sync {k + 1}"
+            # the leader's first round waits up to 30 s for the group (FIRST_ROUND_WAIT_S), but starts once the client
+            # is in: a client asking in 3 s windows was refused (its request expired before the leader's window) for
+            # 27 s
+            assert opts[1].history[0].seconds < 10.0, opts[1].history[0]
             # the client reduces nothing: it sends its whole vector and receives the whole average
             assert opts[1].history[0].bytes_sent > opts[0].history[0].bytes_sent
         finally:
