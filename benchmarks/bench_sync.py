@@ -171,12 +171,14 @@ def _sync_peer(index: int, args: dict, maddrs, barrier, results) -> None:
     if index:
         dht = start_dht(SwarmConfig(initial_peers=maddrs[0], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                                     reachability="public"))
+    sparse = args["compression"] == "sparse"  # one group of the whole swarm: min_group_size holds it together
     opt = DiLoCoOptimizer(
         model.parameters(), dht=dht, run_id="bench-sync", local_steps=1,
         inner_optimizer=partial(torch.optim.SGD, lr=0.0),
-        outer_optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
-        compression=args["compression"], target_group_size=args["peers"], matchmaking_time_s=5.0,
-        averaging_timeout_s=600.0,
+        outer_optimizer=partial(torch.optim.SGD, lr=1.0) if sparse else
+        partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
+        compression=args["compression"], target_group_size=None if sparse else args["peers"],
+        min_group_size=max(args["peers"], 1) if sparse else 2, matchmaking_time_s=5.0, averaging_timeout_s=600.0,
     ).start()
     memory = baseline = None
     cpu: List[float] = []  # CPU seconds of this peer's processes per sync, from the second on
@@ -198,6 +200,7 @@ def _sync_peer(index: int, args: dict, maddrs, barrier, results) -> None:
         peak = memory.stop()
         results[index] = dict(records=[r.to_dict() for r in opt.history], rss_before=baseline, rss_peak=peak, cpu=cpu,
                               params=sum(p.numel() for p in model.parameters()), compression=args["compression"],
+                              message_bytes=opt.averager.sparse_layout.message_bytes if sparse else None,
                               digests=[r.digest for r in opt.history])
     finally:
         opt.shutdown()
@@ -238,6 +241,8 @@ def summarize(peers: List[dict], ceiling: Optional[float], skip_first: bool) -> 
     params = peers[0]["params"]
     # the butterfly's bytes per peer: its parts of the others' ranges out, the averages of its own range back
     bound = 2 * (n - 1) / n * params * BYTES_PER_VALUE.get(peers[0]["compression"], 4)
+    if peers[0].get("message_bytes"):  # sparse: the all-gather's (n - 1) messages out (sparse_round.py)
+        bound = (n - 1) * peers[0]["message_bytes"]
     return dict(
         peers=n, params=params, syncs=len(records), seconds=seconds, split=split, allreduce_work=work,
         non_wire_s=max(seconds - split["matchmaking"] - split["allreduce"], 0.0),

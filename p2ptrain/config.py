@@ -39,8 +39,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 # This module imports nothing heavy (no torch, no hivemind): the CLI reads it to build --help, which must start at
 # once. What it needs from the heavy modules is spelled out here; tests/unit/test_startup.py checks that they agree.
 
-COMPRESSION_NAMES = ("none", "fp16", "bf16", "int8")
-"""the codecs of averaging/compression.py's COMPRESSIONS, in its order"""
+COMPRESSION_NAMES = ("none", "fp16", "bf16", "int8", "sparse")
+"""averaging/compression.py's COMPRESSION_CHOICES (its butterfly codecs, then sparse), in its order"""
 NO_GROUP_POLICIES = ("apply_local", "wait")
 """diloco.NO_GROUP_POLICIES: what a peer does when nobody is there to average with"""
 REACHABILITY_MODES = ("auto", "public", "client")
@@ -131,7 +131,18 @@ class DiLoCoConfig:
     """outer Nesterov momentum"""
     compression: str = setting("fp16", choices=COMPRESSION_NAMES)
     """pseudo-gradients on the wire: "fp16" (half the bytes), "bf16" (half, fp32's range, coarser), "int8" (a
-    quarter, per-block scales, with error feedback) or "none" (fp32)"""
+    quarter, per-block scales, with error feedback), "none" (fp32), or "sparse" (SparseLoCo: each peer sends the
+    top sparse_k of every 4096 values of its decayed error-feedback accumulator in 2 bits, 2.8% of fp16's bytes at
+    k = 128; the outer step is plain SGD at sparse_outer_lr, outer_lr and outer_momentum are not used; sync more
+    often with it, e.g. H = 15-50; docs/ARCHITECTURE.md, "Sparse 2-bit messages")"""
+    sparse_k: int = setting(128, at_least=1, below=4097)
+    """--compression sparse: values each peer sends of every chunk of 4096 (a 64x64 tile, or a run of the flattened
+    tensor); 128: SparseLoCo's reference setting. Every peer of a run must agree"""
+    sparse_decay: float = setting(0.95, at_least=0, below=1)
+    """--compression sparse: the error-feedback accumulator's decay per sync (e <- decay * e + pseudo-gradient)"""
+    sparse_outer_lr: float = setting(1.0, above=0)
+    """--compression sparse: the outer SGD's learning rate on the averaged messages (no momentum: the decayed
+    accumulator takes its place)"""
     fragments: int = setting(1, at_least=1)
     """streaming sync: cut the parameters into this many fragments (runs of consecutive layers of about equal size),
     each averaged at its own inner step of the phase while training goes on, so a peer sends about 1/fragments of
@@ -527,6 +538,11 @@ def validate(config: RunConfig) -> None:
     need(len(d.inner_betas) == 2, f"diloco.inner_betas must be two numbers in [0, 1), got {d.inner_betas}")
     need(d.target_group_size is None or d.target_group_size >= d.min_group_size,
          "diloco.target_group_size must be at least diloco.min_group_size")
+    need(d.compression != "sparse" or (d.fragments == 1 and d.overlap_steps == 0),
+         "--compression sparse syncs all parameters at once: drop --fragments and --overlap-steps, or use fp16")
+    need(d.compression != "sparse" or d.target_group_size is None,
+         "--compression sparse averages the whole swarm in one group: drop --target-group-size (to wait for N peers "
+         "before the first round, use --wait-for-peers N)")
     need(t.shard_index is None or t.shard_index < t.num_shards,
          f"train.shard_index {t.shard_index} must be in [0, {t.num_shards}); or leave it unset to claim one")
     need(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),

@@ -78,9 +78,12 @@ def _shape(model: Union[GPTConfig, "ModelSpec"]) -> Tuple[int, int, int, int, in
 
 
 def estimate_memory(config: Union[GPTConfig, "ModelSpec"], batch_size: int, world: int, shard: int,
-                    device_type: str, activation_checkpointing: bool, mixing: bool = False) -> MemoryEstimate:
+                    device_type: str, activation_checkpointing: bool, mixing: bool = False,
+                    sparse: bool = False) -> MemoryEstimate:
     """``batch_size``: the sequences of one forward and backward pass (the micro-batch). ``mixing``: the averager
-    also keeps the stepped state (parameters and outer momenta, fp32) for mixing groups (--target-group-size)."""
+    also keeps the stepped state (parameters and outer momenta, fp32) for mixing groups (--target-group-size).
+    ``sparse`` (--compression sparse): the host keeps the error-feedback accumulator (fp32), and the averager, while
+    it averages the messages, their sum, their count per entry and one decoded message (fp32 each)."""
     n, n_layer, width, seq_len, vocab_size = _shape(config)
     cuda = device_type == "cuda"
     value_bytes = 2 if cuda else 4
@@ -100,6 +103,7 @@ def estimate_memory(config: Union[GPTConfig, "ModelSpec"], batch_size: int, worl
     if not cuda:
         host += world * rank
     state = 8 * n if mixing else 0
+    host += 16 * n if sparse else 0
     return MemoryEstimate(parameters=n, rank_bytes=rank, host_bytes=host + state,
                           shm_bytes=4 * n + state + 2 * snapshot)
 
@@ -123,10 +127,12 @@ def memory_problem(estimate: MemoryEstimate, *, device_free: Optional[int], host
 
 
 def check_memory(config: Union[GPTConfig, "ModelSpec"], batch_size: int, world: int, shard: int, device: torch.device,
-                 activation_checkpointing: bool, leader: bool, mixing: bool = False) -> MemoryEstimate:
+                 activation_checkpointing: bool, leader: bool, mixing: bool = False,
+                 sparse: bool = False) -> MemoryEstimate:
     """Raise ConfigError if this rank's part of the peer will not fit; return the estimate. The leader checks the
     host and /dev/shm for the whole peer."""
-    estimate = estimate_memory(config, batch_size, world, shard, device.type, activation_checkpointing, mixing)
+    estimate = estimate_memory(config, batch_size, world, shard, device.type, activation_checkpointing, mixing,
+                               sparse)
     device_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     host_free = psutil.virtual_memory().available if leader else None
     shm_free = _free_bytes("/dev/shm") if leader else None

@@ -137,7 +137,8 @@ class Worker:
             estimate = check_memory(spec, train_cfg.micro_batch_size or train_cfg.batch_size, ranks.world,
                                     train_cfg.shard_size or ranks.world, device,
                                     train_cfg.activation_checkpointing, leader=ranks.leader,
-                                    mixing=self.config.diloco.target_group_size is not None)
+                                    mixing=self.config.diloco.target_group_size is not None,
+                                    sparse=self.config.diloco.compression == "sparse")
             logger.info(f"memory (estimated): {estimate.rank_bytes / GiB:.2f} GiB per rank on {device}, "
                         f"{estimate.host_bytes / GiB:.2f} GiB on the host, {estimate.shm_bytes / GiB:.2f} GiB in "
                         "/dev/shm")

@@ -145,8 +145,13 @@ def _optimizer_factories(cfg: RunConfig, dht, publisher: Optional[ProgressPublis
         dht=dht,
         run_id=cfg.run_id,
         local_steps=diloco_cfg.local_steps,
-        outer_optimizer=partial(make_outer_optimizer, lr=diloco_cfg.outer_lr, momentum=diloco_cfg.outer_momentum),
+        # sparse: plain SGD on the averaged messages (SparseLoCo: the decayed accumulator takes momentum's place)
+        outer_optimizer=partial(make_outer_optimizer, lr=diloco_cfg.sparse_outer_lr, momentum=0.0)
+        if diloco_cfg.compression == "sparse" else
+        partial(make_outer_optimizer, lr=diloco_cfg.outer_lr, momentum=diloco_cfg.outer_momentum),
         compression=diloco_cfg.compression,
+        sparse_k=diloco_cfg.sparse_k,
+        sparse_decay=diloco_cfg.sparse_decay,
         matchmaking_time_s=diloco_cfg.matchmaking_time_s,
         late_peer_wait_s=diloco_cfg.late_peer_wait_s,
         averaging_timeout_s=diloco_cfg.averaging_timeout_s,

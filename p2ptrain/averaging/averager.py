@@ -26,9 +26,11 @@ from hivemind.utils import get_logger
 from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
 from p2ptrain.averaging.allreduce import ExactAllReduceRunner
-from p2ptrain.averaging.compression import WireCodec, get_compression
+from p2ptrain.averaging.compression import SPARSE, WireCodec, get_compression
 from p2ptrain.hivemind_compat import (SteeredMatchmaking, check_hivemind, matchmaking_of, p2p_of,
                                                  register_runner)
+from p2ptrain.averaging.sparse import Layout
+from p2ptrain.averaging.sparse_round import SparseGatherMixin
 from p2ptrain.averaging.state_transfer import StateTransferMixin
 from p2ptrain.finite import all_finite
 from p2ptrain.lifeline import follow_parent, leave_process_group
@@ -91,7 +93,7 @@ BAN_S = 600.0
 """how long a peer that sent a bad part or a bad average is kept out of this peer's groups"""
 
 
-class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
+class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, DecentralizedAverager):
     """Averages a fixed set of CPU tensors with the peers that are ready at the same time.
 
     Unlike its hivemind parent, the result is identical on every peer of a group (see ``ExactAllReduceRunner``),
@@ -104,19 +106,23 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: DHT, *, compression: str,
                  max_norm_ratio: Optional[float] = 10.0, fragments: Optional[Sequence[Sequence[int]]] = None,
-                 state_tensors: Sequence[torch.Tensor] = (), **kwargs):
+                 state_tensors: Sequence[torch.Tensor] = (), sparse_k: int = 128, **kwargs):
         check_hivemind()  # the internals below are hivemind 1.1.12's: refuse another hivemind in one line
         self.compression_name = compression
         # who may take part: the swarm key's rule (security.SwarmAuth) that start_dht attached to the DHT
         self.auth: SwarmAuth = getattr(dht, "auth", SwarmAuth())
         self.max_norm_ratio = max_norm_ratio
+        # --compression sparse: the round is an all-gather of 2-bit top-k messages (sparse_round.py), not the butterfly
+        self._init_sparse(Layout(tuple(tuple(t.shape) for t in averaged_tensors), k=sparse_k)
+                          if compression == SPARSE else None)
         self._banned: Dict[PeerID, tuple] = {}  # averager process: peer -> (monotonic end of its ban, why)
-        super().__init__([*averaged_tensors, *state_tensors], dht, compression=get_compression(compression),
+        super().__init__([*averaged_tensors, *state_tensors], dht,
+                         compression=get_compression("none" if compression == SPARSE else compression),
                          start=False, **kwargs)
         # the pseudo-gradients' shapes alone: a peer that also keeps state buffers (mixing groups) still groups with
         # one that does not (a round between them averages pseudo-gradients, or repairs, as before)
         schema = [compute_schema_hash(averaged_tensors).hex(), f"compression={compression}",
-                  f"protocol={PROTOCOL_VERSION}"]
+                  f"protocol={PROTOCOL_VERSION}", *([f"sparse_k={sparse_k}"] if compression == SPARSE else [])]
         self.schema_hash = DHTID.generate(source=schema).to_bytes()
         # rounds in which a group formed but the all-reduce did not complete: the host retries those with the
         # survivors instead of applying its own pseudo-gradient, so no survivor applies a half-averaged result
@@ -339,6 +345,10 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
                 # and fp16 would round parameters far more coarsely than their updates
                 fragment = self.state_fragment
                 kwargs["compression"] = get_compression("none")
+            if self.sparse_layout is not None and not mixed:
+                result = await self._sparse_round(group_info, gathered, kwargs.get("die_after_parts"))
+                result.gathered, result.allreduce_s = gathered, time.perf_counter() - started
+                return result
             async with enter_asynchronously(self.get_tensors()) as all_tensors:
                 local_tensors = [all_tensors[i] for i in fragment]
                 if mixed:  # parameters, then momenta: each held to our pseudo-gradient of its shape
@@ -369,6 +379,27 @@ class PseudoGradientAverager(StateTransferMixin, DecentralizedAverager):
                     step.set_exception(e)
                 raise
             raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
+
+    async def _sparse_round(self, group_info: GroupInfo, gathered: Dict[str, Any],
+                            die_after_sends: Optional[int] = None) -> RoundResult:
+        """The sparse codec's round (``SparseGatherMixin._run_sparse_round``): the pseudo-gradient buffers get the
+        group's average, or nothing if a member's message did not come or was refused (``IncompleteRoundError``,
+        like a failed reducer: the host runs the round again with the survivors)."""
+        weights = []
+        for peer in group_info.peer_ids:  # every member reads the same gathered weights: the same contributors
+            weight = gathered.get(peer.to_base58(), {})
+            weight = weight.get("weight", 1.0) if isinstance(weight, dict) else 1.0
+            weights.append(float(weight) if isinstance(weight, (int, float)) and weight >= 0 else 0.0)
+        async with enter_asynchronously(self.get_tensors()) as all_tensors:
+            tensors = [all_tensors[i] for i in self.fragments[0]]
+            sent, received, failed = await self._run_sparse_round(tensors, group_info, weights,
+                                                                   self._allreduce_timeout or 60.0, die_after_sends)
+        if failed:
+            self._failed_members.value = _joined_ids(failed, MAX_PEER_LIST_BYTES - 1)
+            raise IncompleteRoundError(f"the sparse messages of {len(failed)} member(s) did not come or were refused "
+                                       "(a group member failed mid-round); nothing applied")
+        self.last_updated = time.time()
+        return RoundResult(group_size=len(group_info.peer_ids), bytes_sent=sent, bytes_received=received)
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: Optional[bytes] = None,

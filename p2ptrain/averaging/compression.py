@@ -289,6 +289,13 @@ COMPRESSIONS: Dict[str, Type[WireCodec]] = {
     "int8": Int8Codec,
 }
 
+SPARSE = "sparse"
+"""SparseLoCo's 2-bit top-k messages with error feedback (``sparse.py``): not a codec of butterfly parts, its round
+is an all-gather (``sparse_round.py``); the averager gives hivemind the fp32 codec, which no part of a sparse run
+ever crosses"""
+COMPRESSION_CHOICES = (*COMPRESSIONS, SPARSE)
+"""every ``--compression``: the butterfly's codecs, then sparse"""
+
 ERROR_FEEDBACK_BY_DEFAULT = ("int8",)
 """Codecs whose peers keep and re-send their rounding residual unless told otherwise (``error_feedback``)."""
 

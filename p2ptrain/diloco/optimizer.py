@@ -15,7 +15,8 @@ from hivemind import DHT
 
 from p2ptrain.averaging import PseudoGradientAverager
 from p2ptrain.averaging.averager import PROTOCOL_VERSION
-from p2ptrain.averaging.compression import COMPRESSIONS, ERROR_FEEDBACK_BY_DEFAULT
+from p2ptrain.averaging.compression import COMPRESSION_CHOICES, ERROR_FEEDBACK_BY_DEFAULT, SPARSE
+from p2ptrain.averaging.sparse import DEFAULT_DECAY, DEFAULT_K
 from p2ptrain.diloco.membership import Membership
 from p2ptrain.clock import PhaseClock
 from p2ptrain.diloco.records import NO_GROUP_POLICIES, SyncRecord, Throughput
@@ -130,10 +131,15 @@ class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torc
         merge_alpha: float = DEFAULT_MERGE_ALPHA,
         max_extra_steps: Optional[int] = None,
         adaptive_steps: bool = True,
+        sparse_k: int = DEFAULT_K,
+        sparse_decay: float = DEFAULT_DECAY,
     ):
         _check_arguments(local_steps=local_steps, no_group_policy=no_group_policy,
                          matchmaking_time_s=matchmaking_time_s, averaging_timeout_s=averaging_timeout_s,
                          late_peer_wait_s=late_peer_wait_s, min_group_size=min_group_size, compression=compression)
+        if compression == SPARSE and (fragments > 1 or overlap_steps > 0 or target_group_size is not None):
+            raise ValueError("compression 'sparse' syncs all parameters at once in one group: fragments=1, "
+                             "overlap_steps=0 and no target_group_size")
 
         self.inner_optimizer = inner_optimizer(params)
         # share the inner optimizer's groups and state: schedulers, grad clipping and zero_grad see the real thing
@@ -203,6 +209,7 @@ class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torc
             client_mode=client_mode,
             shutdown_timeout=5,
             max_norm_ratio=max_norm_ratio,
+            sparse_k=sparse_k,
             fragments=self.plan.tensors,
             # mixing groups: this peer's stepped global parameters and outer momenta (sync._fill_stepped_state)
             state_tensors=[torch.zeros_like(g) for _ in range(2) for g in self.global_params] if self.mixing else (),
@@ -213,6 +220,11 @@ class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torc
         self._residuals: Optional[List[torch.Tensor]] = None
         if self.error_feedback and not self.averager.codec.lossless:
             self._residuals = [torch.zeros_like(g) for g in self.global_params]
+        # compression "sparse": this peer's error-feedback accumulator (SparseLoCo), its own: never in a state a
+        # newcomer downloads (a newcomer starts from zeros), kept in checkpoints
+        self.sparse_decay = sparse_decay
+        self._accumulator: Optional[List[torch.Tensor]] = \
+            [torch.zeros_like(g) for g in self.global_params] if compression == SPARSE else None
         self._digest = self._global_digest()
         self.averager.state_provider = self._shareable_state
         self.averager.set_host_outer_step(0)
@@ -324,6 +336,7 @@ class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torc
             "local_step": self.local_step,
             "outer_step": self.outer_step,
             "samples_since_sync": self.samples_since_sync,
+            **({"sparse_accumulator": [e.clone() for e in self._accumulator]} if self._accumulator is not None else {}),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -345,6 +358,11 @@ class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torc
         self.samples_since_sync = state_dict["samples_since_sync"]
         self._steps_since_sync = self.local_step % self.local_steps
         self._reset_residuals()
+        if self._accumulator is not None:  # a checkpoint of another codec has none: start from zeros
+            saved = state_dict.get("sparse_accumulator") or [torch.zeros_like(e) for e in self._accumulator]
+            with torch.no_grad():
+                for e, value in zip(self._accumulator, saved, strict=True):
+                    e.copy_(value)
         self._reset_fragment_counters()
         self._apply_lr_schedules()
 
@@ -373,7 +391,10 @@ class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torc
         schema = hashlib.sha256(repr([(tuple(g.shape), str(g.dtype)) for g in self.global_params]).encode())
         return dict(params_schema=schema.hexdigest()[:16], num_parameters=sum(g.numel() for g in self.global_params),
                     num_tensors=len(self.global_params), local_steps=self.local_steps,
-                    compression=self.averager.compression_name, protocol=PROTOCOL_VERSION,
+                    # sparse: peers of another k cannot read our messages (it is in the averager's schema too)
+                    compression=self.averager.compression_name + (
+                        f" k={self.averager.sparse_layout.k}" if self.averager.sparse_layout else ""),
+                    protocol=PROTOCOL_VERSION,
                     sync_schedule=self.plan.describe())
 
     # ------------------------------------------------------------------------------------------- housekeeping
@@ -436,8 +457,8 @@ def _check_arguments(*, local_steps: int, no_group_policy: str, matchmaking_time
         raise ValueError(f"late_peer_wait_s must be at least 0, got {late_peer_wait_s}")
     if min_group_size < 1:
         raise ValueError(f"min_group_size must be at least 1, got {min_group_size}")
-    if compression not in COMPRESSIONS:
-        raise ValueError(f"unknown compression {compression!r}; use one of: {', '.join(COMPRESSIONS)}")
+    if compression not in COMPRESSION_CHOICES:
+        raise ValueError(f"unknown compression {compression!r}; use one of: {', '.join(COMPRESSION_CHOICES)}")
 
 
 def _mixes_groups(target_group_size: Optional[int], streaming: bool, outer_optimizer: torch.optim.Optimizer) -> bool:

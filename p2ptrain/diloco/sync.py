@@ -15,6 +15,7 @@ from p2ptrain.averaging import RoundResult
 from p2ptrain.clock import PhaseClock
 from p2ptrain.diloco.records import Outcome, RoundOutcome, SyncRecord, _digest_of, sync_phases
 from p2ptrain.diloco.rounds import Position
+from p2ptrain.averaging.sparse import accumulate_, send_
 from p2ptrain.finite import all_finite_many
 from p2ptrain.outer import (add_error_feedback_, load_stepped_state_, momentum_buffers, outer_step_,
                             pseudo_gradient_, stepped_state_)
@@ -62,6 +63,8 @@ class BlockingSyncMixin:
         with clock("pseudo_gradient"):
             diverged = self._fill_pseudo_gradient()
             self._fill_stepped_state()
+            if not diverged:
+                self._fill_sparse_message()
         with clock("publish"):
             wait_until_stored(stored, store_deadline - time.monotonic())
 
@@ -72,6 +75,8 @@ class BlockingSyncMixin:
             # nothing went through the wire: the peer applies its pseudo-gradient unrounded (apply_local), takes
             # the swarm's state (behind) or abandons the round; either way there is no rounding error to carry
             self._reset_residuals()
+        if outcome.kind is Outcome.BEHIND or outcome.kind is not Outcome.AVERAGED and self._interrupted.is_set():
+            self._unsend_sparse_message(diverged)  # taking the state, or leaving: the message reached nobody
         if outcome.kind is Outcome.BEHIND:
             logger.warning(
                 f"{self._tag()} the swarm has moved past outer step {self.outer_step}; discarding this peer's "
@@ -80,7 +85,10 @@ class BlockingSyncMixin:
             record = self._catch_up_and_join(started, outcome.attempts)
             if record is not None:
                 return record
-            # nobody could give us the state: fall back to the no-group policy
+            # nobody could give us the state: fall back to the no-group policy (a sparse message is applied alone
+            # after all, so it leaves the accumulator again: the failed download touched no buffer)
+            if not self._interrupted.is_set():
+                self._unsend_sparse_message(diverged, sign=-1.0)
         if outcome.kind is not Outcome.AVERAGED and self._interrupted.is_set():
             # leaving: commit nothing the swarm did not. The local progress stays in the model's parameters (and in
             # a checkpoint, with the global ones), so a resumed peer takes this round up again.
@@ -114,6 +122,33 @@ class BlockingSyncMixin:
             stepped_state_(buffers[n:2 * n], buffers[2 * n:], self.global_params,
                            momentum_buffers(self.outer_optimizer, self.global_params), buffers[:n],
                            lr=group["lr"], momentum=group["momentum"])
+
+    @torch.no_grad()
+    def _fill_sparse_message(self) -> None:
+        """Compression "sparse" (no-op otherwise): fold the pseudo-gradient in the buffers into this peer's
+        accumulator (e <- decay * e + g), pack its top-k as this round's message for the averager (its outbox), take
+        what the message carries out of the accumulator, and leave that in the buffers: what this peer applies if it
+        steps alone, until a round overwrites them with the group's average (sparse_round.py)."""
+        if self._accumulator is None:
+            return
+        n = len(self.global_params)
+        with self.averager.get_tensors() as buffers:
+            accumulate_(self._accumulator, buffers[:n], self.sparse_decay)
+            message, carried = send_(self._accumulator, self.averager.sparse_layout)
+            for buffer, value in zip(buffers[:n], carried):
+                buffer.copy_(value)
+        self.averager.sparse_outbox.copy_(torch.frombuffer(bytearray(message), dtype=torch.uint8))
+
+    @torch.no_grad()
+    def _unsend_sparse_message(self, diverged: bool, sign: float = 1.0) -> None:
+        """The round's message was never applied by anyone: its values go back into the accumulator (still in the
+        buffers: no round wrote them), to be sent later. ``sign`` -1: take them out again."""
+        if self._accumulator is None or diverged:
+            return
+        n = len(self.global_params)
+        with self.averager.get_tensors() as buffers:
+            for e, value in zip(self._accumulator, buffers[:n]):
+                e.add_(value, alpha=sign)
 
     def _fill_pseudo_gradient(self, indices: Optional[List[int]] = None, what: str = "the pseudo-gradient",
                               feedback: bool = True) -> bool:

@@ -53,6 +53,7 @@ def train_peers(dhts, *, compression: str, local_steps: int, outer_steps: int, r
     ``step``). ``sizes[i]``: peer i's batch sizes, one per inner step (default 8 each). Returns models, optimizers
     and each peer's parameters right after each sync."""
     sizes = sizes or [[8] * (local_steps * outer_steps) for _ in dhts]
+    outer = options.pop("outer_optimizer", OUTER)
     models = [make_model() for _ in dhts]
     data = [batches(i, sizes[i]) for i in range(len(dhts))]
     opts = [
@@ -62,7 +63,7 @@ def train_peers(dhts, *, compression: str, local_steps: int, outer_steps: int, r
             run_id=run_id,
             local_steps=local_steps,
             inner_optimizer=INNER,
-            outer_optimizer=OUTER,
+            outer_optimizer=outer,
             compression=compression,
             matchmaking_time_s=3.0,
             averaging_timeout_s=30.0,

@@ -41,6 +41,10 @@ def test_file_then_overrides(tmp_path):
         ("[swarm]\ninitial_peers = ['/ip4/127.0.0.1/tcp/4001']\n", "has no /p2p/<peer id>"),
         ("run_id = 'a.b'\n", "run_id 'a.b' must be non-empty without dots"),
         ("[diloco\n", "is not valid TOML"),
+        ("[diloco]\ncompression = 'sparse'\ntarget_group_size = 4\n",
+         "--compression sparse averages the whole swarm in one group: drop --target-group-size"),
+        ("[diloco]\ncompression = 'sparse'\nfragments = 2\n", "--compression sparse syncs all parameters at once"),
+        ("[diloco]\nsparse_k = 5000\n", "diloco.sparse_k must be in [1, 4097), got 5000"),
     ],
 )
 def test_bad_values_name_the_setting(tmp_path, text, fragment):
@@ -63,10 +67,10 @@ def test_every_codec_is_selectable_from_file_and_flag(tmp_path):
     import click
     from click.testing import CliRunner
 
-    from p2ptrain.averaging.compression import COMPRESSIONS
+    from p2ptrain.averaging.compression import COMPRESSION_CHOICES as COMPRESSIONS
     from p2ptrain.cli import RUN_OPTIONS, load_run_config, run_options
 
-    assert list(COMPRESSIONS) == ["none", "fp16", "bf16", "int8"]
+    assert list(COMPRESSIONS) == ["none", "fp16", "bf16", "int8", "sparse"]
     (choice,) = [kwargs["type"] for flag, _, kwargs in RUN_OPTIONS if flag == "--compression"]
     assert list(choice.choices) == list(COMPRESSIONS)
 
@@ -87,7 +91,7 @@ def test_every_codec_is_selectable_from_file_and_flag(tmp_path):
         assert result.exit_code == 0, result.output
         assert seen["config"].diloco.compression == name
     result = CliRunner().invoke(probe, ["--compression", "int3"])
-    assert result.exit_code == 2 and "'int3' is not one of 'none', 'fp16', 'bf16', 'int8'" in result.output
+    assert result.exit_code == 2 and "'int3' is not one of 'none', 'fp16', 'bf16', 'int8', 'sparse'" in result.output
 
 
 def test_reachability_modes_agree_between_flag_file_and_probe(tmp_path):

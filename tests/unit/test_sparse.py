@@ -94,6 +94,26 @@ def test_over_rounds_error_feedback_sends_what_the_peer_meant():
     assert torch.allclose(total / rounds, g[0], atol=0.05 * g[0].abs().max().item())
 
 
+def test_the_average_of_messages_is_each_entrys_mean_over_the_messages_that_carry_it():
+    from p2ptrain.averaging.sparse_round import average_messages
+
+    lay = layout(k=128)
+    messages, carried = zip(*(encode(tensors(seed), lay) for seed in range(3)))
+    average = average_messages(list(messages), lay)
+    for i, value in enumerate(average):
+        stacked = torch.stack([c[i] for c in carried])
+        count = (stacked != 0).sum(dim=0).clamp(min=1)
+        torch.testing.assert_close(value, stacked.sum(dim=0) / count, rtol=0, atol=1e-7)
+        # an entry one message carries is that message's value, not a third of it
+        only_first = (carried[0][i] != 0) & (carried[1][i] == 0) & (carried[2][i] == 0)
+        assert only_first.any() and torch.equal(value[only_first], carried[0][i][only_first])
+    # the same bytes in the same order: the same bits
+    again = average_messages(list(messages), lay)
+    assert all(torch.equal(a, b) for a, b in zip(average, again))
+    with pytest.raises(WireFormatError):
+        average_messages([messages[0], messages[1][:-1]], lay)
+
+
 def corrupt(message: bytes, at: int, value: int) -> bytes:
     out = bytearray(message)
     out[at] = value

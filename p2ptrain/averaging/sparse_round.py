@@ -1,0 +1,260 @@
+"""The sparse round (``--compression sparse``): an all-gather of the members' 2-bit top-k messages, in the averager
+process, in place of the butterfly all-reduce.
+
+Each peer's top-k entries differ (4 peers' sets barely overlap: their union is 3.4x one set), so a reduce-scatter
+over the dense range would not shrink what the reducers return; every member instead sends its message
+(``sparse.py``, about 2.8% of fp16) to each other member, receives theirs, and decodes all of them itself. Per sync a
+peer sends (n - 1) messages and receives as many: below the fp16 butterfly's 2 x (n - 1) / n x 2 bytes per
+parameter up to 72 members (docs/bench/2026-11-26-sparse-convergence).
+
+**Bit-identical.** Every member decodes the contributors' messages (members whose gathered weight is above 0) in
+the group's order, adds them up in fp32 in that order and divides each entry by the number of messages that carry
+it: the same bytes in the same order give the same bits everywhere (``average_messages``). A member with weight 0
+(a newcomer joining the round in progress, a peer whose training diverged) sends nothing and receives everything.
+
+**Checked before use.** A piece is taken only from a member of a group this peer is in (or is forming: a faster
+member may send before this one has its group), holding the swarm key and not excluded, with the piece count the
+message's size implies; a whole message must decode (``sparse.decode``: exact size, ordered indices, finite scales)
+and its norm must be at most ``max_norm_ratio`` x this peer's own message's. A member that sends a bad message is
+excluded; one that sends nothing within ``START_TIMEOUT_S`` (or the round's timeout) has failed. Either way the round
+is incomplete (``IncompleteRoundError``) on this member, which applies nothing and runs it again with the survivors,
+exactly as after a failed reducer; a member that did get every message commits, and the others take its state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.utils import get_logger
+
+from p2ptrain.averaging.allreduce import START_TIMEOUT_S
+from p2ptrain.averaging.compression import WireFormatError
+from p2ptrain.averaging.sparse import Layout, decode
+from p2ptrain.faults import kill_this_peer
+from p2ptrain.finite import all_finite
+from p2ptrain.hivemind_compat import p2p_of
+from p2ptrain.proto import p2ptrain_pb2
+
+logger = get_logger(__name__)
+
+PIECE_BYTES = 2 ** 20
+"""one unary call carries at most this much of a message, well inside libp2p's 2 MiB limit"""
+MAX_FORMING_GROUPS = 4
+"""groups this peer is not (yet) a member of whose pieces it holds: a faster member may send before this one learned
+its group; beyond this many, the oldest is dropped"""
+MAX_FORMING_SENDERS = 64
+"""senders whose pieces one such group may hold (its members are not known yet)"""
+SEND_FAILED_GRACE_S = 1.0
+"""once our message to a member could not be delivered, how long its own message still has to arrive"""
+RECEIVE_POLL_S = 0.2
+INBOX_TTL_S = 120.0
+"""pieces of a group nobody asked for are dropped after this long"""
+
+
+def average_messages(messages: Sequence[bytes], layout: Layout) -> List[torch.Tensor]:
+    """Each entry's mean over the messages that carry it (zero where none does), summed in the given order: the
+    same list of bytes gives the same bits on every peer. Raises ``WireFormatError`` for a message that does not
+    decode (the caller knows whose it was: it decodes them one at a time first, ``decode_all``)."""
+    total = [torch.zeros(shape) for shape in layout.shapes]
+    count = [torch.zeros(shape) for shape in layout.shapes]
+    for message in messages:
+        for t, c, value in zip(total, count, decode(message, layout)):
+            t.add_(value)
+            c.add_((value != 0).float())
+    return [t.div_(c.clamp_(min=1.0)) for t, c in zip(total, count)]
+
+
+class _Inbox:
+    """The pieces received for one group: sender -> pieces so far, and a future per sender set once its whole
+    message is in."""
+
+    def __init__(self) -> None:
+        self.pieces: Dict[PeerID, Dict[int, bytes]] = {}
+        self.done: Dict[PeerID, asyncio.Future] = {}
+        self.members: Optional[Tuple[PeerID, ...]] = None  # set once this peer runs the group's round
+        self.created = time.monotonic()
+
+    def future(self, peer: PeerID) -> asyncio.Future:
+        if peer not in self.done:
+            self.done[peer] = asyncio.get_event_loop().create_future()
+        return self.done[peer]
+
+
+class SparseGatherMixin:
+    """The averager's side of sparse rounds: ``rpc_sparse_piece`` takes other members' pieces, ``_run_sparse_round``
+    sends ours and averages everyone's. Needs the averager's ``auth``, ``is_banned``, ``ban``, ``get_stub``,
+    ``prefix``, ``peer_id`` and ``max_norm_ratio``; ``sparse_layout`` is set by the averager for the sparse codec."""
+
+    sparse_layout: Optional[Layout] = None
+
+    def _init_sparse(self, layout: Optional[Layout]) -> None:
+        # called in the host before the averager process is forked: the host writes each round's message into the
+        # outbox (shared memory), the averager process reads it when the round's group has formed
+        self.sparse_layout = layout
+        self.sparse_outbox = torch.zeros(layout.message_bytes if layout else 0, dtype=torch.uint8).share_memory_()
+        self._sparse_inboxes: Dict[bytes, _Inbox] = {}
+        self._sparse_finished: Dict[bytes, float] = {}  # group id -> when its round ended here
+
+    @property
+    def _pieces(self) -> int:
+        return max(1, -(-self.sparse_layout.message_bytes // PIECE_BYTES))
+
+    async def rpc_sparse_piece(self, request: p2ptrain_pb2.SparsePiece, context: P2PContext
+                               ) -> p2ptrain_pb2.SparseAck:
+        peer = context.remote_id
+        refused = p2ptrain_pb2.SparseAck(accepted=False)
+        if self.sparse_layout is None or self.is_banned(peer) or not self.auth.admits(peer, request.admission):
+            return refused
+        size = self.sparse_layout.message_bytes
+        end = min(size, (request.index + 1) * PIECE_BYTES)
+        if request.pieces != self._pieces or request.index >= self._pieces or \
+                len(request.data) != end - request.index * PIECE_BYTES:
+            self.ban(peer, f"it sent a sparse piece that does not fit the message ({request.index} of "
+                           f"{request.pieces}, {len(request.data)} bytes)")
+            return refused
+        self._drop_stale_inboxes()
+        if request.group_id in self._sparse_finished:  # a late piece of a round that is over
+            return refused
+        inbox = self._sparse_inboxes.get(request.group_id)
+        if inbox is None:
+            forming = [g for g, box in self._sparse_inboxes.items() if box.members is None]
+            if len(forming) >= MAX_FORMING_GROUPS:
+                del self._sparse_inboxes[min(forming, key=lambda g: self._sparse_inboxes[g].created)]
+            inbox = self._sparse_inboxes[request.group_id] = _Inbox()
+        if inbox.members is not None and peer not in inbox.members or \
+                inbox.members is None and peer not in inbox.pieces and len(inbox.pieces) >= MAX_FORMING_SENDERS:
+            return refused
+        pieces = inbox.pieces.setdefault(peer, {})
+        pieces[request.index] = request.data
+        if len(pieces) == self._pieces and not inbox.future(peer).done():
+            inbox.future(peer).set_result(b"".join(pieces[i] for i in range(self._pieces)))
+        return p2ptrain_pb2.SparseAck(accepted=True)
+
+    async def _receive_sparse(self, inbox: _Inbox, senders: Sequence[PeerID], sends: Dict[PeerID, asyncio.Task],
+                              timeout_s: float, failed: List[str]) -> Dict[PeerID, bytes]:
+        """Every sender's whole message, as it comes. A sender has failed (added to ``failed``) when its message is
+        not whole by ``timeout_s``, when nothing of it came in ``START_TIMEOUT_S``, or ``SEND_FAILED_GRACE_S`` after
+        our own message to it could not be delivered (its peer is gone: a killed member cost the survivors the
+        whole round timeout before)."""
+        started = time.monotonic()
+        pending = {peer: inbox.future(peer) for peer in senders}
+        received: Dict[PeerID, bytes] = {}
+        send_failed_at: Dict[PeerID, float] = {}
+        while pending:
+            now = time.monotonic()
+            for peer, future in list(pending.items()):
+                if future.done():
+                    received[peer] = future.result()
+                    del pending[peer]
+                    continue
+                if _send_failed(sends.get(peer)):
+                    send_failed_at.setdefault(peer, now)
+                if now - started >= timeout_s or peer not in inbox.pieces and now - started >= START_TIMEOUT_S or \
+                        now - send_failed_at.get(peer, now) >= SEND_FAILED_GRACE_S:
+                    failed.append(peer.to_base58())
+                    del pending[peer]
+            await _wait_any(list(pending.values()), RECEIVE_POLL_S)
+        return received
+
+    def _drop_stale_inboxes(self) -> None:
+        now = time.monotonic()
+        for group_id, inbox in list(self._sparse_inboxes.items()):
+            if inbox.members is None and now - inbox.created > INBOX_TTL_S:
+                del self._sparse_inboxes[group_id]
+        for group_id, ended in list(self._sparse_finished.items()):
+            if now - ended > INBOX_TTL_S:
+                del self._sparse_finished[group_id]
+
+    async def _send_sparse(self, peer: PeerID, group_id: bytes, message: bytes) -> bool:
+        stub = self.get_stub(p2p_of(self), peer, namespace=self.prefix)
+        admission = self.auth.token(self.peer_id)
+        for index in range(self._pieces):
+            ack = await stub.rpc_sparse_piece(p2ptrain_pb2.SparsePiece(
+                group_id=group_id, index=index, pieces=self._pieces, admission=admission,
+                data=message[index * PIECE_BYTES:(index + 1) * PIECE_BYTES]))
+            if not ack.accepted:
+                return False
+        return True
+
+    async def _run_sparse_round(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
+                                weights: Sequence[float], timeout_s: float,
+                                die_after_sends: Optional[int] = None) -> Tuple[int, int, List[str]]:
+        """Send our message to every other member, take theirs, and write the average into ``tensors`` (only if
+        every contributor's message came and decoded). Returns (bytes sent, bytes received, the members that
+        failed: empty when the round completed). ``die_after_sends`` (fault injection, ``faults.py``): deliver our
+        message to that many members, in the group's order, then die: they hold it, the others never will."""
+        members = tuple(group_info.peer_ids)
+        me = members.index(self.peer_id)
+        inbox = self._sparse_inboxes.setdefault(group_info.group_id, _Inbox())
+        inbox.members = members
+        # pieces sent before we knew the group: from a non-member they are dropped now
+        for peer in [p for p in inbox.pieces if p not in members]:
+            del inbox.pieces[peer]
+        contributors = [i for i, w in enumerate(weights) if w > 0]
+        message = bytes(self.sparse_outbox.numpy()) if weights[me] > 0 else b""
+        others = [peer for i, peer in enumerate(members) if i != me]
+        failed: List[str] = []
+        if die_after_sends is not None and message:
+            for peer in others[:die_after_sends]:
+                await self._send_sparse(peer, group_info.group_id, message)
+            logger.warning(f"fault injection: dying mid-all-reduce after sending its sparse message to "
+                           f"{min(die_after_sends, len(others))} member(s)")
+            kill_this_peer()
+        try:
+            sends = {peer: asyncio.create_task(asyncio.wait_for(
+                self._send_sparse(peer, group_info.group_id, message), timeout_s)) for peer in others} if message else {}
+            received = await self._receive_sparse(inbox, [members[i] for i in contributors if i != me], sends,
+                                                  timeout_s, failed)
+            received = {i: received[members[i]] for i in contributors if members[i] in received}
+            sent_ok = await asyncio.gather(*sends.values(), return_exceptions=True)
+            for peer, ok in zip(sends, sent_ok):
+                if ok is not True and peer.to_base58() not in failed:
+                    logger.debug(f"sparse message to {peer} not delivered: {ok!r}")
+            if failed:
+                return len(message) * len(sends), sum(map(len, received.values())), failed
+            ordered = [message if i == me else received[i] for i in contributors]
+            own_norm = _norm(decode(message, self.sparse_layout)) if message else None
+            for i, data in zip(contributors, ordered):
+                try:
+                    values = decode(data, self.sparse_layout)
+                except WireFormatError as e:
+                    self.ban(members[i], f"its sparse message does not decode ({e})")
+                    failed.append(members[i].to_base58())
+                    continue
+                bound = None if own_norm is None or self.max_norm_ratio is None else self.max_norm_ratio * own_norm
+                if bound is not None and i != me and own_norm > 0 and _norm(values) > bound:
+                    self.ban(members[i], f"its sparse message's norm {_norm(values):.3g} is above "
+                                         f"{self.max_norm_ratio:g}x ours ({own_norm:.3g})")
+                    failed.append(members[i].to_base58())
+            if failed:
+                return len(message) * len(sends), sum(map(len, received.values())), failed
+            averaged = await asyncio.get_event_loop().run_in_executor(
+                None, average_messages, ordered, self.sparse_layout)
+            if not all(all_finite(t) for t in averaged):
+                raise WireFormatError("the sparse average has NaN/inf values")  # unreachable with checked scales
+            for tensor, value in zip(tensors, averaged):
+                tensor.copy_(value)
+            return len(message) * len(sends), sum(map(len, received.values())), []
+        finally:
+            self._sparse_inboxes.pop(group_info.group_id, None)
+            self._sparse_finished[group_info.group_id] = time.monotonic()
+
+
+async def _wait_any(futures, timeout_s: float) -> None:
+    if futures:
+        await asyncio.wait([asyncio.shield(f) for f in futures], timeout=timeout_s,
+                           return_when=asyncio.FIRST_COMPLETED)
+
+
+def _send_failed(send: Optional[asyncio.Task]) -> bool:
+    """Our message could not be delivered to that member (its peer is gone), as opposed to refused or pending."""
+    return send is not None and send.done() and not send.cancelled() and send.exception() is not None
+
+
+def _norm(tensors: Sequence[torch.Tensor]) -> float:
+    return float(torch.sqrt(sum(t.double().pow(2).sum() for t in tensors)))
