@@ -426,8 +426,8 @@ class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torc
         return f"[{self.dht.peer_id.to_base58()[-8:]} outer_step={self.outer_step}]"
 
     def interrupt(self) -> None:
-        """Stop waiting for peers: a sync in progress ends after its current attempt (applying this peer's own
-        pseudo-gradient if that attempt fails). Safe to call from a signal handler or another thread."""
+        """Stop waiting for peers: a sync in progress ends with its current attempt, whose matchmaking stops at
+        once (an all-reduce that began runs to its end; applying this peer's own pseudo-gradient if it fails). Safe to call from a signal handler or another thread."""
         self._interrupted.set()
 
     def shutdown(self) -> None:

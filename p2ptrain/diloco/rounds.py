@@ -243,7 +243,8 @@ class Rounds:
                          f"{ {p[-8:]: outlook.late[p] for p in late} } at local step {position.local_step}: "
                          f"target {target}, window {window_s:.1f}s")
             incomplete_before = self.averager.incomplete_rounds
-            result = self._attempt(weight, position, target, window_s, attempts, mixing_bits=bits)
+            result = self._attempt(weight, position, target, window_s, attempts, mixing_bits=bits,
+                                   others=bool(ready or late))
             if result is _WENT_ON:
                 return RoundOutcome(Outcome.BEHIND, attempts)
             if result is not None:
@@ -343,16 +344,17 @@ class Rounds:
         return self.dht.peer_id.to_base58()
 
     def _attempt(self, weight: float, position: Position, target: Optional[int], window_s: float,
-                 attempt: int, mixing_bits: str = "") -> Optional[RoundResult] | object:
+                 attempt: int, mixing_bits: str = "", others: bool = True) -> Optional[RoundResult] | object:
         """One matchmaking + all-reduce attempt; None if it formed no group or failed (logged at debug level: the
         caller decides what a failure means), ``_WENT_ON`` if the swarm finished the round without us meanwhile."""
-        if self.averager.client_mode:
+        if self.averager.client_mode and others:
             # a client only follows, and a leader refuses a follower whose request expires before the leader's own
             # declared time (hivemind's BAD_EXPIRATION_TIME): next to a leader waiting 30 s for the first round's
             # group, a client looking in 3 s windows was refused for 27 s. A long search costs a follower nothing:
             # it joins the first leader that takes it, and that leader's group starts when it is full. (Longer than
             # any window a leader plans, by a matchmaking window: a leader that started its own a moment later
-            # still expires first)
+            # still expires first). With no other peer of this round in sight there is nobody to join: a short
+            # window, so that a leaving client is not held up by its search
             window_s = max(window_s, FIRST_ROUND_WAIT_S, self._late_peer_wait_s(2, position.phase_started)) + \
                 self.settings.matchmaking_time_s
         try:
@@ -382,7 +384,8 @@ class Rounds:
         """The step's result. While it is still looking for a group, the records are read every ``BEHIND_POLL_S``:
         once they show the swarm went on without this peer (``behind``), the step is cancelled (hivemind's leader
         disbands what it gathered) and ``_WENT_ON`` returned, instead of waiting out the matchmaking window for a
-        round that is over. Never once the all-reduce began: the group would lose a member mid-round."""
+        round that is over. A peer that is leaving (``interrupted``) stops looking at once too (None). Never once the
+        all-reduce began: the group would lose a member mid-round."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -392,6 +395,9 @@ class Rounds:
                     raise
             if control.stage is not AveragingStage.LOOKING_FOR_GROUP:
                 continue
+            if self._interrupted.is_set():  # leaving: stop looking now, not at the end of the window
+                control.cancel()
+                return None
             if self.behind(self.outlook(position)) and control.stage is AveragingStage.LOOKING_FOR_GROUP:
                 control.cancel()
                 logger.debug(f"{self._tag()} the swarm went on past outer step {position.outer_step} while this "
