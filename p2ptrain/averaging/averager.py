@@ -390,6 +390,8 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, Decentralize
             weight = gathered.get(peer.to_base58(), {})
             weight = weight.get("weight", 1.0) if isinstance(weight, dict) else 1.0
             weights.append(float(weight) if isinstance(weight, (int, float)) and weight >= 0 else 0.0)
+        # no butterfly runner serves this group: marks it as running, so hivemind does not report it unfinished
+        register_runner(self, group_info.group_id, None)
         async with enter_asynchronously(self.get_tensors()) as all_tensors:
             tensors = [all_tensors[i] for i in self.fragments[0]]
             sent, received, failed = await self._run_sparse_round(tensors, group_info, weights,

@@ -155,6 +155,27 @@ def _pack(scales: np.ndarray, index: np.ndarray, code: np.ndarray) -> bytes:
 def decode(message: bytes, layout: Layout) -> List[torch.Tensor]:
     """The dense fp32 tensors a message stands for (zeros where nothing was kept). Raises ``WireFormatError`` on
     a message of the wrong size, indices out of order (so out of range or repeated) or impossible scales."""
+    at, value = decode_entries(message, layout)
+    dense = torch.zeros(layout.num_chunks, CHUNK)
+    dense.view(-1)[at] = value
+    return unchunk(dense, layout)
+
+
+def unchunk(dense: torch.Tensor, layout: Layout) -> List[torch.Tensor]:
+    """The tensors of ``layout`` from their chunks (``[num_chunks, CHUNK]``, padding ignored)."""
+    out, row = [], 0
+    for shape in layout.shapes:
+        n = len(layout.chunk_lengths(shape))
+        tensor = torch.empty(shape)
+        _unchunk_(tensor, dense[row:row + n], layout)
+        out.append(tensor)
+        row += n
+    return out
+
+
+def decode_entries(message: bytes, layout: Layout) -> Tuple[torch.Tensor, torch.Tensor]:
+    """What a message carries, checked as ``decode`` does: each kept value's place in the chunks laid end to end
+    (chunk x CHUNK + index, ascending) and its fp32 value."""
     counts = layout.counts
     if len(message) != layout.message_bytes:
         raise WireFormatError(f"sparse message of {len(message)} bytes, expected {layout.message_bytes}")
@@ -186,16 +207,7 @@ def decode(message: bytes, layout: Layout) -> List[torch.Tensor]:
 
     magnitude = scales[chunk_of, (code & 1).astype(np.int64)]
     value = np.where(code & 2, -magnitude, magnitude).astype(np.float32)
-    dense = torch.zeros(chunks, CHUNK)
-    dense[torch.from_numpy(chunk_of), torch.from_numpy(index)] = torch.from_numpy(value)
-    out, row = [], 0
-    for shape in layout.shapes:
-        n = len(layout.chunk_lengths(shape))
-        tensor = torch.empty(shape)
-        _unchunk_(tensor, dense[row:row + n], layout)
-        out.append(tensor)
-        row += n
-    return out
+    return torch.from_numpy(chunk_of * CHUNK + index), torch.from_numpy(value)
 
 
 def accumulate_(accumulator: Sequence[torch.Tensor], pseudo_gradient: Sequence[torch.Tensor],

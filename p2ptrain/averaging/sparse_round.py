@@ -34,7 +34,7 @@ from hivemind.utils import get_logger
 
 from p2ptrain.averaging.allreduce import START_TIMEOUT_S
 from p2ptrain.averaging.compression import WireFormatError
-from p2ptrain.averaging.sparse import Layout, decode
+from p2ptrain.averaging.sparse import CHUNK, Layout, decode, decode_entries, unchunk
 from p2ptrain.faults import kill_this_peer
 from p2ptrain.finite import all_finite
 from p2ptrain.hivemind_compat import p2p_of
@@ -60,13 +60,13 @@ def average_messages(messages: Sequence[bytes], layout: Layout) -> List[torch.Te
     """Each entry's mean over the messages that carry it (zero where none does), summed in the given order: the
     same list of bytes gives the same bits on every peer. Raises ``WireFormatError`` for a message that does not
     decode (the caller knows whose it was: it decodes them one at a time first, ``decode_all``)."""
-    total = [torch.zeros(shape) for shape in layout.shapes]
-    count = [torch.zeros(shape) for shape in layout.shapes]
+    total = torch.zeros(layout.num_chunks * CHUNK)  # in chunk space: one scatter per message, one unchunk at the end
+    count = torch.zeros(layout.num_chunks * CHUNK)
     for message in messages:
-        for t, c, value in zip(total, count, decode(message, layout)):
-            t.add_(value)
-            c.add_((value != 0).float())
-    return [t.div_(c.clamp_(min=1.0)) for t, c in zip(total, count)]
+        at, value = decode_entries(message, layout)  # each place once per message: the sums run in message order
+        total.index_add_(0, at, value)
+        count.index_add_(0, at, (value != 0).float())
+    return unchunk(total.div_(count.clamp_(min=1.0)).view(-1, CHUNK), layout)
 
 
 class _Inbox:

@@ -179,7 +179,9 @@ def _grouping_flags(cfg: BenchConfig, i: int) -> List[str]:
         return []  # the workers find their groups from the live peers' progress records, as a user's do
     # every round of the benchmark is a round of all its peers, pinned by flags (the setup before the defaults
     # waited for the live peers): with fewer allowed, a peer a few seconds late would be left out of a round
-    return ["--num-shards", str(cfg.peers), "--shard-index", str(i - 1), "--target-group-size", str(cfg.peers),
+    # (sparse runs the whole swarm as one group: --min-group-size alone holds it together)
+    target = [] if cfg.compression == "sparse" else ["--target-group-size", str(cfg.peers)]
+    return ["--num-shards", str(cfg.peers), "--shard-index", str(i - 1), *target,
             "--min-group-size", str(cfg.peers), "--no-group-policy", "wait",
             "--matchmaking-time", str(cfg.matchmaking_time_s)]
 
@@ -197,13 +199,29 @@ def _read(path: Path) -> dict:
         return {}
 
 
+def sparse_message_bytes(model: str) -> int:
+    """One peer's sparse message for a built-in model, at the default k (``sparse.Layout``: fixed by the shapes)."""
+    import torch
+
+    from p2ptrain.averaging.sparse import Layout
+    from p2ptrain.model import GPT
+
+    with torch.device("meta"):
+        shapes = tuple(tuple(p.shape) for p in GPT(model_config(model)).parameters())
+    return Layout(shapes).message_bytes
+
+
 def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dict:
     """Every figure of one configuration, per peer and overall. Steady state: the window from the end of the first
     round (which also waits for the slowest peer's start-up) to the end of the last."""
     n = cfg.peers
     params = count_parameters(model_config(cfg.model))
-    payload = params * BYTES_PER_VALUE[cfg.compression]
-    butterfly = 2 * (n - 1) / n * payload
+    if cfg.compression == "sparse":  # each peer's message to each other member (averaging/sparse_round.py)
+        payload = sparse_message_bytes(cfg.model)
+        butterfly = (n - 1) * payload
+    else:
+        payload = params * BYTES_PER_VALUE[cfg.compression]
+        butterfly = 2 * (n - 1) / n * payload
     rate_bps = cfg.rate_mbit * 1e6 / 8 if cfg.rate_mbit else None
     # when each round's last member arrived: the time a peer spent before that is waiting for a slower peer, not
     # the cost of matchmaking or of the network

@@ -95,7 +95,7 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
     loopback): compute utilization, bytes on the wire, sync seconds against the bandwidth bound, eval loss."""
     from pathlib import Path
 
-    from p2ptrain.averaging.compression import COMPRESSIONS
+    from p2ptrain.averaging.compression import COMPRESSION_CHOICES, SPARSE
     from p2ptrain.bench.main import clean, run_bench
     from p2ptrain.bench.swarm import BenchFailed
     from p2ptrain.model import MODEL_SIZES
@@ -108,8 +108,8 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
         if name not in MODEL_SIZES:
             raise BadInput(f"--model {name!r} is unknown; use one of: {', '.join(MODEL_SIZES)}")
     for name in compressions:
-        if name not in COMPRESSIONS:
-            raise BadInput(f"--compression {name!r} is unknown; use one of: {', '.join(COMPRESSIONS)}")
+        if name not in COMPRESSION_CHOICES:
+            raise BadInput(f"--compression {name!r} is unknown; use one of: {', '.join(COMPRESSION_CHOICES)}")
     schedules = [_streaming_schedule(text) for text in streaming]
     if scale_peers:
         from p2ptrain.bench.scale import run_scale
@@ -147,6 +147,9 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
     if convergence_steps:
         from p2ptrain.bench.convergence import Setup, write_convergence
 
+        if SPARSE in compressions:
+            raise BadInput("--compression sparse: the convergence experiment's sparse rows come from --sparse-k K "
+                           "(e.g. --sparse-k 128); --compression there names the butterfly's codecs")
         setup = Setup(model=models[0], peers=peers, batch_size=batch_size)
         report = write_convergence(list(convergence_steps), list(local_steps) or [25, 50], list(compressions), setup,
                                    Path(out), echo=click.echo, streaming=schedules,
