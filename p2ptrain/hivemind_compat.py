@@ -93,6 +93,10 @@ TOUCH_POINTS: Tuple[TouchPoint, ...] = (
     TouchPoint(_MATCHMAKING, "_check_reasons_to_reject", "method", "averaging/averager.py",
                "an unexpected follower raises the target instead of taking an expected peer's place",
                ("self", "request", "context")),
+    TouchPoint(_MATCHMAKING, "current_followers", "attribute", "averaging/averager.py",
+               "a follower that completes the group is not refused for its shorter window"),
+    TouchPoint("hivemind.averaging.matchmaking.PotentialLeaders", "declared_expiration_time", "attribute",
+               "averaging/averager.py", "the leader's window, which a follower that completes the group may end before"),
     TouchPoint(_MATCHMAKING, "target_group_size", "attribute", "averaging/averager.py",
                "the group starts once it holds the round's target"),
     TouchPoint(_MATCHMAKING, "min_matchmaking_time", "attribute", "averaging/averager.py", "the round's window"),
@@ -184,6 +188,7 @@ class SteeredMatchmaking:
             return None
 
         check_request = matchmaking._check_reasons_to_reject
+        from hivemind.proto import averaging_pb2
 
         def check_request_counting_the_unexpected(request, context):
             target, peer = matchmaking.target_group_size, context.remote_id.to_base58()
@@ -191,6 +196,17 @@ class SteeredMatchmaking:
             if unexpected:
                 matchmaking.target_group_size = target + 1
             reason = check_request(request, context)
+            if reason is not None and reason.code == averaging_pb2.BAD_EXPIRATION_TIME and \
+                    matchmaking.target_group_size is not None and \
+                    len(matchmaking.current_followers) + 2 >= matchmaking.target_group_size:
+                # hivemind refuses a follower whose search ends before this leader's window: it might be gone when
+                # the group begins. One that completes the group is in it now, as the group begins at once: a peer
+                # the others had waited for arrived with a window shorter than theirs and was refused until their
+                # windows ran out (a sparse 10 Mbit run: 13-18 s of every round's matchmaking)
+                relaxed = averaging_pb2.JoinRequest()
+                relaxed.CopyFrom(request)
+                relaxed.expiration = matchmaking.potential_leaders.declared_expiration_time
+                reason = check_request(relaxed, context)
             if unexpected and reason is None:
                 self.expected.add(peer)
             elif unexpected:
