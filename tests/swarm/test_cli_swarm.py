@@ -165,6 +165,7 @@ def first_logged_maddr(log) -> str:
     raise AssertionError(f"no multiaddr logged in {log}")
 
 
+@pytest.mark.slow  # 11 s: the default suite took 9:47 of its 10 minutes in CI (`make test-slow` runs it)
 def test_a_peer_with_a_swarm_key_is_told_the_swarm_is_open(tmp_path):
     """The reverse of the outsiders above: a key for a swarm whose peers run without one would refuse them all."""
     boot, maddr = start_bootstrap(tmp_path)
