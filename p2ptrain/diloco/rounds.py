@@ -243,8 +243,9 @@ class Rounds:
                          f"{ {p[-8:]: outlook.late[p] for p in late} } at local step {position.local_step}: "
                          f"target {target}, window {window_s:.1f}s")
             incomplete_before = self.averager.incomplete_rounds
-            result = self._attempt(weight, position, target, window_s, attempts, mixing_bits=bits,
-                                   others=bool(ready or late))
+            if self.averager.client_mode and (ready or late):
+                window_s = self._follower_window_s(window_s, position)
+            result = self._attempt(weight, position, target, window_s, attempts, mixing_bits=bits)
             if result is _WENT_ON:
                 return RoundOutcome(Outcome.BEHIND, attempts)
             if result is not None:
@@ -287,6 +288,17 @@ class Rounds:
                 f"{self._tag()} no group formed (attempt {attempts}); waiting for peers (no_group_policy=wait)"
             )
         return RoundOutcome(Outcome.ALONE if attempts == 0 else Outcome.NO_GROUP, attempts)
+
+    def _follower_window_s(self, window_s: float, position: Position) -> float:
+        """A client-mode peer's search window while another peer of its round is in sight. A client only follows, and
+        a leader refuses a follower whose request expires before the leader's own declared time (hivemind's
+        BAD_EXPIRATION_TIME) unless it completes the group: next to a leader waiting 30 s for a first round's group
+        of 3, a client looking in 3 s windows was refused for 27 s. A long search costs a follower nothing: it joins
+        the first leader that takes it, whose group starts when it is full. Longer than any window a leader plans, by
+        a matchmaking window (a leader that started its own a moment later still expires first). With nobody of its
+        round in sight the caller keeps the short window: a leaving client is not held up by its search."""
+        return max(window_s, FIRST_ROUND_WAIT_S, self._late_peer_wait_s(2, position.phase_started)) + \
+            self.settings.matchmaking_time_s
 
     def _late_peer_wait_s(self, expected: int, phase_started: float) -> float:
         """How long the ready peers wait for late ones. Waiting t seconds idles the ready peers, (expected - 1) * t
@@ -344,19 +356,9 @@ class Rounds:
         return self.dht.peer_id.to_base58()
 
     def _attempt(self, weight: float, position: Position, target: Optional[int], window_s: float,
-                 attempt: int, mixing_bits: str = "", others: bool = True) -> Optional[RoundResult] | object:
+                 attempt: int, mixing_bits: str = "") -> Optional[RoundResult] | object:
         """One matchmaking + all-reduce attempt; None if it formed no group or failed (logged at debug level: the
         caller decides what a failure means), ``_WENT_ON`` if the swarm finished the round without us meanwhile."""
-        if self.averager.client_mode and others:
-            # a client only follows, and a leader refuses a follower whose request expires before the leader's own
-            # declared time (hivemind's BAD_EXPIRATION_TIME): next to a leader waiting 30 s for the first round's
-            # group, a client looking in 3 s windows was refused for 27 s. A long search costs a follower nothing:
-            # it joins the first leader that takes it, and that leader's group starts when it is full. (Longer than
-            # any window a leader plans, by a matchmaking window: a leader that started its own a moment later
-            # still expires first). With no other peer of this round in sight there is nobody to join: a short
-            # window, so that a leaving client is not held up by its search
-            window_s = max(window_s, FIRST_ROUND_WAIT_S, self._late_peer_wait_s(2, position.phase_started)) + \
-                self.settings.matchmaking_time_s
         try:
             self.averager.set_group_bits(position.group_bits + mixing_bits)
             # the leader waits window_s for followers; allow a request timeout on top

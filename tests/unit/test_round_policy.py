@@ -17,6 +17,8 @@ from p2ptrain.proto.p2ptrain_pb2 import PeerProgress
 
 
 class FakeAverager:
+    client_mode = False  # a peer that can lead groups (the averager's attribute)
+
     def __init__(self):
         self.plans: List[tuple] = []  # (target, window_s, expected) of each attempt
         self.incomplete_rounds = 0
