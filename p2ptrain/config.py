@@ -538,8 +538,6 @@ def validate(config: RunConfig) -> None:
     need(len(d.inner_betas) == 2, f"diloco.inner_betas must be two numbers in [0, 1), got {d.inner_betas}")
     need(d.target_group_size is None or d.target_group_size >= d.min_group_size,
          "diloco.target_group_size must be at least diloco.min_group_size")
-    need(d.compression != "sparse" or (d.fragments == 1 and d.overlap_steps == 0),
-         "--compression sparse syncs all parameters at once: drop --fragments and --overlap-steps, or use fp16")
     need(d.compression != "sparse" or d.target_group_size is None,
          "--compression sparse averages the whole swarm in one group: drop --target-group-size (to wait for N peers "
          "before the first round, use --wait-for-peers N)")

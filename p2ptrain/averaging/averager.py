@@ -112,9 +112,11 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, Decentralize
         # who may take part: the swarm key's rule (security.SwarmAuth) that start_dht attached to the DHT
         self.auth: SwarmAuth = getattr(dht, "auth", SwarmAuth())
         self.max_norm_ratio = max_norm_ratio
+        # streaming sync: a round averages one fragment (a run of the tensors), which the host names per round
+        self.fragments = [list(f) for f in fragments] if fragments else [list(range(len(averaged_tensors)))]
         # --compression sparse: the round is an all-gather of 2-bit top-k messages (sparse_round.py), not the butterfly
         self._init_sparse(Layout(tuple(tuple(t.shape) for t in averaged_tensors), k=sparse_k)
-                          if compression == SPARSE else None)
+                          if compression == SPARSE else None, self.fragments)
         self._banned: Dict[PeerID, tuple] = {}  # averager process: peer -> (monotonic end of its ban, why)
         super().__init__([*averaged_tensors, *state_tensors], dht,
                          compression=get_compression("none" if compression == SPARSE else compression),
@@ -137,8 +139,6 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, Decentralize
         self._running_step = None  # averager process: the StepControl of the step in progress
         # base58 ids of the members that failed the last incomplete round, comma-separated (host reads them)
         self._failed_members = mp.Array(ctypes.c_char, MAX_PEER_LIST_BYTES)
-        # streaming sync: a round averages one fragment (a run of the tensors), which the host names per round
-        self.fragments = [list(f) for f in fragments] if fragments else [list(range(len(averaged_tensors)))]
         # mixing groups: the stepped global parameters, then the stepped outer momenta (``outer.stepped_state_``),
         # averaged instead of the pseudo-gradients in a round whose members start from different parameters
         self.state_fragment = list(range(len(averaged_tensors), len(averaged_tensors) + len(state_tensors)))
@@ -392,10 +392,12 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, Decentralize
             weights.append(float(weight) if isinstance(weight, (int, float)) and weight >= 0 else 0.0)
         # no butterfly runner serves this group: marks it as running, so hivemind does not report it unfinished
         register_runner(self, group_info.group_id, None)
+        fragment = self._round_fragment.value  # every member's is the same: it is part of the group key
         async with enter_asynchronously(self.get_tensors()) as all_tensors:
-            tensors = [all_tensors[i] for i in self.fragments[0]]
+            tensors = [all_tensors[i] for i in self.fragments[fragment]]
             sent, received, failed = await self._run_sparse_round(tensors, group_info, weights,
-                                                                   self._allreduce_timeout or 60.0, die_after_sends)
+                                                                   self._allreduce_timeout or 60.0, fragment,
+                                                                   die_after_sends)
         if failed:
             self._failed_members.value = _joined_ids(failed, MAX_PEER_LIST_BYTES - 1)
             raise IncompleteRoundError(f"the sparse messages of {len(failed)} member(s) did not come or were refused "

@@ -12,9 +12,13 @@ the group's order, adds them up in fp32 in that order and divides each entry by 
 it: the same bytes in the same order give the same bits everywhere (``average_messages``). A member with weight 0
 (a newcomer joining the round in progress, a peer whose training diverged) sends nothing and receives everything.
 
+**Streaming fragments.** A fragment's round is the same all-gather over the fragment's tensors: each fragment has
+its own ``Layout`` (its tensors' chunks), and every piece names its fragment, which fixes the message's size before
+this peer knows the group; a member whose pieces name another fragment than the round's has sent a bad message.
+
 **Checked before use.** A piece is taken only from a member of a group this peer is in (or is forming: a faster
 member may send before this one has its group), holding the swarm key and not excluded, with the piece count the
-message's size implies; a whole message must decode (``sparse.decode``: exact size, ordered indices, finite scales)
+size of its fragment's message implies; a whole message must decode (``sparse.decode``: exact size, ordered indices, finite scales)
 and its norm must be at most ``max_norm_ratio`` x this peer's own message's. A member that sends a bad message is
 excluded; one that sends nothing within ``START_TIMEOUT_S`` (or the round's timeout) has failed. Either way the round
 is incomplete (``IncompleteRoundError``) on this member, which applies nothing and runs it again with the survivors,
@@ -77,6 +81,8 @@ class _Inbox:
         self.pieces: Dict[PeerID, Dict[int, bytes]] = {}
         self.done: Dict[PeerID, asyncio.Future] = {}
         self.members: Optional[Tuple[PeerID, ...]] = None  # set once this peer runs the group's round
+        self.fragment: Optional[int] = None  # the round's fragment, set with ``members``
+        self.fragment_of: Dict[PeerID, int] = {}  # the fragment each sender's pieces named
         self.created = time.monotonic()
 
     def future(self, peer: PeerID) -> asyncio.Future:
@@ -88,21 +94,26 @@ class _Inbox:
 class SparseGatherMixin:
     """The averager's side of sparse rounds: ``rpc_sparse_piece`` takes other members' pieces, ``_run_sparse_round``
     sends ours and averages everyone's. Needs the averager's ``auth``, ``is_banned``, ``ban``, ``get_stub``,
-    ``prefix``, ``peer_id`` and ``max_norm_ratio``; ``sparse_layout`` is set by the averager for the sparse codec."""
+    ``prefix``, ``peer_id`` and ``max_norm_ratio``; ``sparse_layout`` (all parameters) and ``sparse_layouts`` (one
+    per fragment) are set by the averager for the sparse codec."""
 
     sparse_layout: Optional[Layout] = None
+    sparse_layouts: List[Layout] = []
 
-    def _init_sparse(self, layout: Optional[Layout]) -> None:
+    def _init_sparse(self, layout: Optional[Layout], fragments: Sequence[Sequence[int]]) -> None:
         # called in the host before the averager process is forked: the host writes each round's message into the
         # outbox (shared memory), the averager process reads it when the round's group has formed
         self.sparse_layout = layout
-        self.sparse_outbox = torch.zeros(layout.message_bytes if layout else 0, dtype=torch.uint8).share_memory_()
+        self.sparse_layouts = [] if layout is None else [
+            Layout(tuple(layout.shapes[i] for i in fragment), layout.k) for fragment in fragments]
+        size = max((f.message_bytes for f in self.sparse_layouts), default=0)
+        self.sparse_outbox = torch.zeros(size, dtype=torch.uint8).share_memory_()
         self._sparse_inboxes: Dict[bytes, _Inbox] = {}
         self._sparse_finished: Dict[bytes, float] = {}  # group id -> when its round ended here
 
-    @property
-    def _pieces(self) -> int:
-        return max(1, -(-self.sparse_layout.message_bytes // PIECE_BYTES))
+    def write_sparse_message(self, message: bytes) -> None:
+        """The host's message for the next round (of the fragment it is for: its size says which)."""
+        self.sparse_outbox[:len(message)].copy_(torch.frombuffer(bytearray(message), dtype=torch.uint8))
 
     async def rpc_sparse_piece(self, request: p2ptrain_pb2.SparsePiece, context: P2PContext
                                ) -> p2ptrain_pb2.SparseAck:
@@ -110,12 +121,14 @@ class SparseGatherMixin:
         refused = p2ptrain_pb2.SparseAck(accepted=False)
         if self.sparse_layout is None or self.is_banned(peer) or not self.auth.admits(peer, request.admission):
             return refused
-        size = self.sparse_layout.message_bytes
-        end = min(size, (request.index + 1) * PIECE_BYTES)
-        if request.pieces != self._pieces or request.index >= self._pieces or \
-                len(request.data) != end - request.index * PIECE_BYTES:
+        if request.fragment >= len(self.sparse_layouts):
+            self.ban(peer, f"it sent a sparse piece of fragment {request.fragment}, of {len(self.sparse_layouts)}")
+            return refused
+        layout = self.sparse_layouts[request.fragment]
+        count, end = _pieces(layout), min(layout.message_bytes, (request.index + 1) * PIECE_BYTES)
+        if request.pieces != count or request.index >= count or len(request.data) != end - request.index * PIECE_BYTES:
             self.ban(peer, f"it sent a sparse piece that does not fit the message ({request.index} of "
-                           f"{request.pieces}, {len(request.data)} bytes)")
+                           f"{request.pieces}, {len(request.data)} bytes, fragment {request.fragment})")
             return refused
         self._drop_stale_inboxes()
         if request.group_id in self._sparse_finished:  # a late piece of a round that is over
@@ -129,11 +142,28 @@ class SparseGatherMixin:
         if inbox.members is not None and peer not in inbox.members or \
                 inbox.members is None and peer not in inbox.pieces and len(inbox.pieces) >= MAX_FORMING_SENDERS:
             return refused
+        if inbox.fragment_of.setdefault(peer, request.fragment) != request.fragment or \
+                inbox.fragment is not None and request.fragment != inbox.fragment:
+            self._refuse_fragment(inbox, peer, request.fragment)
+            return refused
         pieces = inbox.pieces.setdefault(peer, {})
         pieces[request.index] = request.data
-        if len(pieces) == self._pieces and not inbox.future(peer).done():
-            inbox.future(peer).set_result(b"".join(pieces[i] for i in range(self._pieces)))
+        if len(pieces) == count and not inbox.future(peer).done():
+            inbox.future(peer).set_result(b"".join(pieces[i] for i in range(count)))
         return p2ptrain_pb2.SparseAck(accepted=True)
+
+    def _refuse_fragment(self, inbox: _Inbox, peer: PeerID, fragment: int) -> None:
+        """``peer``'s pieces for this group name another fragment than its round's (or than its own earlier
+        pieces): its message is refused, and the round fails on it at once rather than after a timeout."""
+        first = inbox.fragment_of.get(peer)
+        if first != -1:  # -1: refused (and excluded) already, before this peer knew the group
+            self.ban(peer, f"it sent pieces of fragment {fragment} in a round of fragment {inbox.fragment}"
+                     if inbox.fragment is not None else
+                     f"it sent pieces of fragment {fragment} after pieces of fragment {first} for one group")
+        inbox.pieces.pop(peer, None)
+        inbox.fragment_of[peer] = -1  # no fragment: refused again when the round starts, if it has not yet
+        if inbox.members is not None and not inbox.future(peer).done():
+            inbox.future(peer).set_exception(WireFormatError(f"pieces of the wrong fragment ({fragment})"))
 
     async def _receive_sparse(self, inbox: _Inbox, senders: Sequence[PeerID], sends: Dict[PeerID, asyncio.Task],
                               timeout_s: float, failed: List[str]) -> Dict[PeerID, bytes]:
@@ -149,7 +179,10 @@ class SparseGatherMixin:
             now = time.monotonic()
             for peer, future in list(pending.items()):
                 if future.done():
-                    received[peer] = future.result()
+                    if future.exception() is None:
+                        received[peer] = future.result()
+                    else:  # refused as it came (_refuse_fragment)
+                        failed.append(peer.to_base58())
                     del pending[peer]
                     continue
                 if _send_failed(sends.get(peer)):
@@ -170,44 +203,49 @@ class SparseGatherMixin:
             if now - ended > INBOX_TTL_S:
                 del self._sparse_finished[group_id]
 
-    async def _send_sparse(self, peer: PeerID, group_id: bytes, message: bytes) -> bool:
+    async def _send_sparse(self, peer: PeerID, group_id: bytes, message: bytes, fragment: int = 0) -> bool:
         stub = self.get_stub(p2p_of(self), peer, namespace=self.prefix)
         admission = self.auth.token(self.peer_id)
-        for index in range(self._pieces):
+        count = _pieces(self.sparse_layouts[fragment])
+        for index in range(count):
             ack = await stub.rpc_sparse_piece(p2ptrain_pb2.SparsePiece(
-                group_id=group_id, index=index, pieces=self._pieces, admission=admission,
+                group_id=group_id, index=index, pieces=count, admission=admission, fragment=fragment,
                 data=message[index * PIECE_BYTES:(index + 1) * PIECE_BYTES]))
             if not ack.accepted:
                 return False
         return True
 
     async def _run_sparse_round(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
-                                weights: Sequence[float], timeout_s: float,
+                                weights: Sequence[float], timeout_s: float, fragment: int = 0,
                                 die_after_sends: Optional[int] = None) -> Tuple[int, int, List[str]]:
-        """Send our message to every other member, take theirs, and write the average into ``tensors`` (only if
-        every contributor's message came and decoded). Returns (bytes sent, bytes received, the members that
+        """Send our message to every other member, take theirs, and write the average into ``tensors`` (the tensors
+        of ``fragment``; only if every contributor's message came and decoded). Returns (bytes sent, bytes received, the members that
         failed: empty when the round completed). ``die_after_sends`` (fault injection, ``faults.py``): deliver our
         message to that many members, in the group's order, then die: they hold it, the others never will."""
         members = tuple(group_info.peer_ids)
         me = members.index(self.peer_id)
         inbox = self._sparse_inboxes.setdefault(group_info.group_id, _Inbox())
-        inbox.members = members
-        # pieces sent before we knew the group: from a non-member they are dropped now
+        inbox.members, inbox.fragment = members, fragment
+        # pieces sent before we knew the group: from a non-member they are dropped now, of another fragment refused
         for peer in [p for p in inbox.pieces if p not in members]:
             del inbox.pieces[peer]
+        for peer in [p for p, f in inbox.fragment_of.items() if f != fragment and p in members]:
+            self._refuse_fragment(inbox, peer, inbox.fragment_of[peer])
+        layout = self.sparse_layouts[fragment]
         contributors = [i for i, w in enumerate(weights) if w > 0]
-        message = bytes(self.sparse_outbox.numpy()) if weights[me] > 0 else b""
+        message = bytes(self.sparse_outbox[:layout.message_bytes].numpy()) if weights[me] > 0 else b""
         others = [peer for i, peer in enumerate(members) if i != me]
         failed: List[str] = []
         if die_after_sends is not None and message:
             for peer in others[:die_after_sends]:
-                await self._send_sparse(peer, group_info.group_id, message)
+                await self._send_sparse(peer, group_info.group_id, message, fragment)
             logger.warning(f"fault injection: dying mid-all-reduce after sending its sparse message to "
                            f"{min(die_after_sends, len(others))} member(s)")
             kill_this_peer()
         try:
             sends = {peer: asyncio.create_task(asyncio.wait_for(
-                self._send_sparse(peer, group_info.group_id, message), timeout_s)) for peer in others} if message else {}
+                self._send_sparse(peer, group_info.group_id, message, fragment), timeout_s))
+                for peer in others} if message else {}
             received = await self._receive_sparse(inbox, [members[i] for i in contributors if i != me], sends,
                                                   timeout_s, failed)
             received = {i: received[members[i]] for i in contributors if members[i] in received}
@@ -218,10 +256,10 @@ class SparseGatherMixin:
             if failed:
                 return len(message) * len(sends), sum(map(len, received.values())), failed
             ordered = [message if i == me else received[i] for i in contributors]
-            own_norm = _norm(decode(message, self.sparse_layout)) if message else None
+            own_norm = _norm(decode(message, layout)) if message else None
             for i, data in zip(contributors, ordered):
                 try:
-                    values = decode(data, self.sparse_layout)
+                    values = decode(data, layout)
                 except WireFormatError as e:
                     self.ban(members[i], f"its sparse message does not decode ({e})")
                     failed.append(members[i].to_base58())
@@ -234,7 +272,7 @@ class SparseGatherMixin:
             if failed:
                 return len(message) * len(sends), sum(map(len, received.values())), failed
             averaged = await asyncio.get_event_loop().run_in_executor(
-                None, average_messages, ordered, self.sparse_layout)
+                None, average_messages, ordered, layout)
             if not all(all_finite(t) for t in averaged):
                 raise WireFormatError("the sparse average has NaN/inf values")  # unreachable with checked scales
             for tensor, value in zip(tensors, averaged):
@@ -243,6 +281,11 @@ class SparseGatherMixin:
         finally:
             self._sparse_inboxes.pop(group_info.group_id, None)
             self._sparse_finished[group_info.group_id] = time.monotonic()
+
+
+def _pieces(layout: Layout) -> int:
+    """Unary calls a message of ``layout`` takes."""
+    return max(1, -(-layout.message_bytes // PIECE_BYTES))
 
 
 async def _wait_any(futures, timeout_s: float) -> None:

@@ -137,9 +137,8 @@ class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torc
         _check_arguments(local_steps=local_steps, no_group_policy=no_group_policy,
                          matchmaking_time_s=matchmaking_time_s, averaging_timeout_s=averaging_timeout_s,
                          late_peer_wait_s=late_peer_wait_s, min_group_size=min_group_size, compression=compression)
-        if compression == SPARSE and (fragments > 1 or overlap_steps > 0 or target_group_size is not None):
-            raise ValueError("compression 'sparse' syncs all parameters at once in one group: fragments=1, "
-                             "overlap_steps=0 and no target_group_size")
+        if compression == SPARSE and target_group_size is not None:
+            raise ValueError("compression 'sparse' averages the whole swarm in one group: no target_group_size")
 
         self.inner_optimizer = inner_optimizer(params)
         # share the inner optimizer's groups and state: schedulers, grad clipping and zero_grad see the real thing

@@ -174,12 +174,14 @@ class StreamingMixin:
     def _start_round(self, round_: FragmentRound, position: Position, stored=None,
                      feedback: Optional[List[int]] = None) -> None:
         """Run ``round_`` in a thread of its own; it is in flight until its apply step (``_finish``). ``feedback``:
-        the buffers to add the error-feedback residual to first (nothing else touches them or their residuals
-        until the round is applied)."""
+        the buffers to add the error-feedback residual to first, or (sparse) to fold into the accumulator and pack
+        as the round's message (nothing else touches them, their residuals or their accumulator until the round
+        is applied); None when this peer sends nothing (weight 0)."""
         def run() -> None:
             try:
                 if feedback is not None:
                     self._add_error_feedback(feedback)
+                    self._fill_sparse_message(round_.fragment)
                 if stored is not None:
                     wait_until_stored(stored, FORCED_STORE_WAIT_S)
                 round_.outcome = self.rounds.run(round_.weight, position)
@@ -229,6 +231,9 @@ class StreamingMixin:
         if outcome.kind is not Outcome.AVERAGED and self._residuals is not None:
             for i in indices:
                 self._residuals[i].zero_()
+        unsent = round_.weight == 0  # no sparse message left the accumulator (see _start_round)
+        if outcome.kind is Outcome.BEHIND or outcome.kind is not Outcome.AVERAGED and self._interrupted.is_set():
+            self._unsend_sparse_message(unsent, fragment=fragment)  # taking the state, or leaving: nobody applied it
         if outcome.kind is Outcome.BEHIND:
             logger.warning(f"{self._tag()} the swarm has moved past outer step {self.outer_step} (fragment "
                            f"{fragment}); discarding this peer's pseudo-gradients and taking the state from live peers")
@@ -237,6 +242,8 @@ class StreamingMixin:
             if self._catch_up_and_join(started, outcome.attempts) is not None:
                 self._reset_fragment_counters()
                 return
+            if not self._interrupted.is_set():  # nobody gave us the state: the message is applied alone after all
+                self._unsend_sparse_message(unsent, sign=-1.0, fragment=fragment)
         if outcome.kind is not Outcome.AVERAGED and self._interrupted.is_set():
             # leaving: commit nothing the swarm did not; the fragment's local progress stays in the model
             logger.warning(f"{self._tag()} leaving: abandoning fragment {fragment}'s round without an outer step")

@@ -124,31 +124,35 @@ class BlockingSyncMixin:
                            lr=group["lr"], momentum=group["momentum"])
 
     @torch.no_grad()
-    def _fill_sparse_message(self) -> None:
-        """Compression "sparse" (no-op otherwise): fold the pseudo-gradient in the buffers into this peer's
-        accumulator (e <- decay * e + g), pack its top-k as this round's message for the averager (its outbox), take
-        what the message carries out of the accumulator, and leave that in the buffers: what this peer applies if it
-        steps alone, until a round overwrites them with the group's average (sparse_round.py)."""
+    def _fill_sparse_message(self, fragment: int = 0) -> None:
+        """Compression "sparse" (no-op otherwise): fold the pseudo-gradient in the buffers of ``fragment``'s tensors
+        (all of them, blocking sync) into this peer's accumulator (e <- decay * e + g), pack its top-k as this
+        round's message for the averager (its outbox), take what the message carries out of the accumulator, and
+        leave that in the buffers: what this peer applies if it steps alone, until a round overwrites them with the
+        group's average (sparse_round.py)."""
         if self._accumulator is None:
             return
-        n = len(self.global_params)
-        with self.averager.get_tensors() as buffers:
-            accumulate_(self._accumulator, buffers[:n], self.sparse_decay)
-            message, carried = send_(self._accumulator, self.averager.sparse_layout)
-            for buffer, value in zip(buffers[:n], carried):
+        indices = self.plan.tensors[fragment]
+        accumulator = [self._accumulator[i] for i in indices]
+        with self.averager.get_tensors() as all_buffers:
+            buffers = [all_buffers[i] for i in indices]
+            accumulate_(accumulator, buffers, self.sparse_decay)
+            message, carried = send_(accumulator, self.averager.sparse_layouts[fragment])
+            for buffer, value in zip(buffers, carried):
                 buffer.copy_(value)
-        self.averager.sparse_outbox.copy_(torch.frombuffer(bytearray(message), dtype=torch.uint8))
+        self.averager.write_sparse_message(message)
 
     @torch.no_grad()
-    def _unsend_sparse_message(self, diverged: bool, sign: float = 1.0) -> None:
-        """The round's message was never applied by anyone: its values go back into the accumulator (still in the
-        buffers: no round wrote them), to be sent later. ``sign`` -1: take them out again."""
+    def _unsend_sparse_message(self, diverged: bool, sign: float = 1.0, fragment: int = 0) -> None:
+        """The round's message (of ``fragment``) was never applied by anyone: its values go back into the
+        accumulator (still in the buffers: no round wrote them), to be sent later. ``sign`` -1: take them out
+        again."""
         if self._accumulator is None or diverged:
             return
-        n = len(self.global_params)
+        indices = self.plan.tensors[fragment]
         with self.averager.get_tensors() as buffers:
-            for e, value in zip(self._accumulator, buffers[:n]):
-                e.add_(value, alpha=sign)
+            for i in indices:
+                self._accumulator[i].add_(buffers[i], alpha=sign)
 
     def _fill_pseudo_gradient(self, indices: Optional[List[int]] = None, what: str = "the pseudo-gradient",
                               feedback: bool = True) -> bool:

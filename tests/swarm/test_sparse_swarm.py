@@ -5,18 +5,24 @@ checkpoint keeps it)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import signal
 from functools import partial
 
 import hivemind
 import pytest
 import torch
+from hivemind.p2p import P2P
+
+from p2ptrain.proto.p2ptrain_pb2 import SparsePiece
 
 from p2ptrain import DiLoCoOptimizer
 from p2ptrain.averaging.sparse import Layout, accumulate_, send_
 from p2ptrain.averaging.sparse_round import average_messages
 from tests.helpers import exit_code, report, start_bootstrap, start_worker, stop_all
 from tests.swarm.test_diloco_exact import INNER, batches, make_model, train_peers
+from tests.swarm.test_streaming import assert_matches_reference
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
@@ -96,6 +102,93 @@ def test_three_peers_end_every_sync_bit_identical_and_match_sparseloco_math(thre
     finally:
         for opt in opts:
             opt.close()
+
+
+def test_streaming_fragments_send_each_fragments_message_and_stay_bit_identical(three_dhts):
+    """Three peers, three fragments, each launched one inner step before it is applied: each fragment's round is
+    an all-gather of that fragment's sparse message (its own layout and size), every peer ends each phase with the
+    same global bits, and every phase equals the one-process replay of Streaming DiLoCo with SparseLoCo's round."""
+    local_steps, outer_steps = 6, 2
+    models, opts, snapshots = train_peers(three_dhts, compression="sparse", local_steps=local_steps,
+                                          outer_steps=outer_steps, run_id="sparse-stream", target_group_size=None,
+                                          min_group_size=3, sparse_k=K, sparse_decay=DECAY,
+                                          outer_optimizer=SPARSE_OUTER, fragments=3, overlap_steps=1,
+                                          max_extra_steps=0)
+    try:
+        layouts = opts[0].averager.sparse_layouts
+        assert len(layouts) == 3 and len({layout.message_bytes for layout in layouts}) > 1  # sizes differ
+        for opt in opts:
+            assert opt.outer_step == outer_steps and len(opt.history) == outer_steps
+            for record in opt.history:
+                assert [r["fragment"] for r in record.fragments] == [0, 1, 2], record.fragments
+                for r, layout in zip(record.fragments, layouts):
+                    assert r["averaged"] and r["group_size"] == 3, r
+                    # (n - 1) messages of this fragment each way: a third of the model's message, not all of it
+                    assert r["bytes_sent"] == 2 * layout.message_bytes == r["bytes_received"], (r, layout)
+        for a, b, c in zip(*(opt.global_params for opt in opts)):
+            assert torch.equal(a, b) and torch.equal(a, c)
+        assert len({tuple(r.digest for r in opt.history) for opt in opts}) == 1
+        assert_matches_reference(opts, snapshots, outer_steps, "sparse", outer_optimizer=SPARSE_OUTER,
+                                 sparse=(K, DECAY))
+    finally:
+        for opt in opts:
+            opt.close()
+
+
+def test_malformed_sparse_pieces_are_refused_and_their_sender_excluded_with_a_logged_reason(three_dhts, tmp_path):
+    """Hand-made pieces from fresh p2pd peers to a real averager (two fragments): a sound piece is taken; a piece
+    naming no fragment, of the wrong size or count, or of a fragment other than its sender's earlier pieces of the
+    group is refused, its sender excluded, and the averager process logs why."""
+    dht = three_dhts[0]
+    # the averager process's log, to a file (the handler is inherited when it forks)
+    handler = logging.FileHandler(tmp_path / "averager.log")
+    averager_logger = logging.getLogger("p2ptrain.averaging.averager")
+    averager_logger.addHandler(handler)
+    opt = DiLoCoOptimizer(make_model().parameters(), dht=dht, run_id="sparse-pieces", local_steps=4,
+                          inner_optimizer=INNER, outer_optimizer=SPARSE_OUTER, compression="sparse", sparse_k=K,
+                          fragments=2, matchmaking_time_s=3.0).start()
+    averager = opt.averager
+    small = averager.sparse_layouts[1].message_bytes
+    assert small < 2 ** 20  # one piece each
+
+    def piece(fragment=1, size=small, pieces=1, group=b"g1", index=0):
+        return SparsePiece(group_id=group, index=index, pieces=pieces, fragment=fragment, data=bytes(size))
+
+    def send(*pieces):
+        """The acks of ``pieces``, sent in order by one fresh peer, and its id."""
+        async def exchange():
+            p2p = await P2P.create(initial_peers=dht.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            try:
+                stub = type(averager).get_stub(p2p, averager.peer_id, namespace=averager.prefix)
+                return [(await stub.rpc_sparse_piece(p)).accepted for p in pieces], p2p.peer_id.to_base58()
+            finally:
+                await p2p.shutdown()
+        return asyncio.run(exchange())
+
+    try:
+        acks, sound = send(piece(), piece(group=b"g2", fragment=0, size=averager.sparse_layouts[0].message_bytes))
+        assert acks == [True, True]  # a group this peer does not know yet may be forming: its pieces are kept
+        bad = {"no such fragment": (piece(fragment=2), "it sent a sparse piece of fragment 2, of 2"),
+               "wrong size": (piece(size=small - 1), "it sent a sparse piece that does not fit the message"),
+               "wrong count": (piece(pieces=2), "it sent a sparse piece that does not fit the message")}
+        senders = {}
+        for name, (p, reason) in bad.items():
+            acks, senders[name] = send(p, piece(group=b"g3"))
+            assert acks == [False, False], name  # refused, then excluded: a sound piece after it is refused too
+        acks, senders["two fragments"] = send(piece(fragment=0, size=averager.sparse_layouts[0].message_bytes),
+                                              piece(fragment=1))
+        assert acks == [True, False]
+        assert averager.bans_total == 4 and set(averager.banned_peers) == set(senders.values())
+        assert sound not in averager.banned_peers
+        log = (tmp_path / "averager.log").read_text()
+        for name, (_, reason) in bad.items():
+            assert f"excluding peer {senders[name]} from this run" in log and reason in log, (name, log[-3000:])
+        assert f"excluding peer {senders['two fragments']}" in log
+        assert "it sent pieces of fragment 1 after pieces of fragment 0 for one group" in log
+    finally:
+        opt.close()
+        averager_logger.removeHandler(handler)
+        handler.close()
 
 
 def test_a_checkpoint_restores_the_accumulator_and_a_newcomer_starts_from_zeros(three_dhts):

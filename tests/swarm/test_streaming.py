@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from p2ptrain.averaging.compression import get_compression
+from p2ptrain.averaging.sparse import Layout, accumulate_, send_
+from p2ptrain.averaging.sparse_round import average_messages
 from p2ptrain.fragments import FragmentPlan
 from p2ptrain.outer import add_error_feedback_, group_average, merge_
 from tests.swarm.test_diloco_exact import INNER, OUTER, batches, make_model, two_dhts  # noqa: F401 (fixture)
@@ -16,20 +18,23 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 
 def streaming_reference(num_peers: int, plan: FragmentPlan, *, outer_steps: int, codec, part_size_bytes: int,
-                        batch: int = 8, error_feedback: bool = False):
+                        batch: int = 8, error_feedback: bool = False, outer_optimizer=OUTER, sparse=None):
     """The streaming swarm in one process, with no network: each peer's inner AdamW replayed on its own model with
     the same data; at fragment p's launch step its pseudo-gradient (global - local, over p's tensors) is taken, at its
     apply step the group's sample-weighted average (as the all-reduce computes it) steps p's global values with the
     outer Nesterov SGD, and every peer merges them into its own (``local = alpha * local + (1 - alpha) * global``).
     ``error_feedback``: each peer adds what the wire dropped of its last contribution of a fragment to the next, and
-    keeps what the wire drops of this one. Returns the global parameters and each peer's model parameters at the end
-    of each phase."""
+    keeps what the wire drops of this one. ``sparse`` (k, decay): SparseLoCo's round instead, per fragment: each
+    peer folds its pseudo-gradient into its accumulator at the launch step and sends the fragment's top-k message,
+    and the apply step takes each entry's mean over the messages that carry it (``average_messages``). Returns the
+    global parameters and each peer's model parameters at the end of each phase."""
     H = plan.local_steps
     models = [make_model() for _ in range(num_peers)]
     inner = [INNER(model.parameters()) for model in models]
     data = [batches(i, [batch] * (H * outer_steps)) for i in range(num_peers)]
     global_params = [torch.nn.Parameter(p.detach().clone()) for p in models[0].parameters()]
-    outer = OUTER(global_params)
+    outer = outer_optimizer(global_params)
+    accumulators = [[torch.zeros_like(g) for g in global_params] for _ in range(num_peers)]
     alpha = plan.merge_alpha if plan.overlap_steps > 0 else 0.0
     samples = [[0] * plan.fragments for _ in range(num_peers)]
     pending = {}  # fragment -> (contributions, weights)
@@ -52,13 +57,19 @@ def streaming_reference(num_peers: int, plan: FragmentPlan, *, outer_steps: int,
                 for i in range(num_peers) if error_feedback else ():
                     add_error_feedback_(contributions[i], [residuals[i][t] for t in plan.tensors[launch]], codec,
                                         part_size_bytes)
+            if sparse is not None:
+                contributions = sparse_messages(contributions, [[a[t] for t in plan.tensors[launch]]
+                                                                for a in accumulators], *sparse)
             pending[launch] = (contributions, [float(samples[i][launch]) for i in range(num_peers)])
             for i in range(num_peers):
                 samples[i][launch] = 0
         apply = plan.due(step, plan.apply_at)
         if apply is not None:
             contributions, weights = pending.pop(apply)
-            average = group_average(contributions, weights, codec, part_size_bytes)
+            if sparse is not None:
+                average = average_messages(*contributions)
+            else:
+                average = group_average(contributions, weights, codec, part_size_bytes)
             fragment = [global_params[t] for t in plan.tensors[apply]]
             for g, a in zip(fragment, average):
                 g.grad = a
@@ -74,12 +85,25 @@ def streaming_reference(num_peers: int, plan: FragmentPlan, *, outer_steps: int,
     return after
 
 
-def assert_matches_reference(opts, snapshots, outer_steps: int, compression: str, error_feedback: bool = False):
-    """Each of the two peers' parameters after every phase, and the final global ones, equal the replay's."""
-    want = streaming_reference(2, opts[0].plan, outer_steps=outer_steps, codec=get_compression(compression),
-                               part_size_bytes=opts[0].averager.part_size_bytes, error_feedback=error_feedback)
+def sparse_messages(contributions, accumulators, k: int, decay: float):
+    """Each peer's sparse message of one fragment (its accumulator of the fragment updated in place), and the
+    fragment's layout: what ``average_messages`` takes."""
+    layout = Layout(tuple(tuple(c.shape) for c in contributions[0]), k=k)
+    messages = []
+    for contribution, accumulator in zip(contributions, accumulators):
+        accumulate_(accumulator, contribution, decay)
+        messages.append(send_(accumulator, layout)[0])
+    return messages, layout
+
+
+def assert_matches_reference(opts, snapshots, outer_steps: int, compression: str, error_feedback: bool = False,
+                             **options):
+    """Each peer's parameters after every phase, and the final global ones, equal the replay's."""
+    want = streaming_reference(len(opts), opts[0].plan, outer_steps=outer_steps, codec=get_compression(
+        "none" if compression == "sparse" else compression), part_size_bytes=opts[0].averager.part_size_bytes,
+        error_feedback=error_feedback, **options)
     for k, (want_global, want_local) in enumerate(want):
-        for i in range(2):
+        for i in range(len(opts)):
             for got, expected in zip(snapshots[i][k], want_local[i]):
                 torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     for got, expected in zip(opts[0].global_params, want[-1][0]):

@@ -43,7 +43,6 @@ def test_file_then_overrides(tmp_path):
         ("[diloco\n", "is not valid TOML"),
         ("[diloco]\ncompression = 'sparse'\ntarget_group_size = 4\n",
          "--compression sparse averages the whole swarm in one group: drop --target-group-size"),
-        ("[diloco]\ncompression = 'sparse'\nfragments = 2\n", "--compression sparse syncs all parameters at once"),
         ("[diloco]\nsparse_k = 5000\n", "diloco.sparse_k must be in [1, 4097), got 5000"),
     ],
 )
@@ -55,6 +54,14 @@ def test_bad_values_name_the_setting(tmp_path, text, fragment):
     message = str(info.value)
     assert fragment in message
     assert "\n" not in message
+
+
+def test_sparse_messages_stream_by_fragment(tmp_path):
+    """The sparse codec runs with streaming fragments (each fragment's round sends that fragment's message)."""
+    path = tmp_path / "sparse.toml"
+    path.write_text("[diloco]\ncompression = 'sparse'\nlocal_steps = 12\nfragments = 3\noverlap_steps = 1\n")
+    cfg = load_config(path)
+    assert (cfg.diloco.compression, cfg.diloco.fragments, cfg.diloco.overlap_steps) == ("sparse", 3, 1)
 
 
 def test_missing_file(tmp_path):
