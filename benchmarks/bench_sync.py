@@ -200,7 +200,7 @@ def _sync_peer(index: int, args: dict, maddrs, barrier, results) -> None:
         peak = memory.stop()
         results[index] = dict(records=[r.to_dict() for r in opt.history], rss_before=baseline, rss_peak=peak, cpu=cpu,
                               params=sum(p.numel() for p in model.parameters()), compression=args["compression"],
-                              message_bytes=opt.averager.sparse_layout.message_bytes if sparse else None,
+                              message_bytes=opt.sparse_message_bytes if sparse else None,
                               digests=[r.digest for r in opt.history])
     finally:
         opt.shutdown()

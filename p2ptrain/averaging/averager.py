@@ -72,7 +72,7 @@ class IncompleteRoundError(AllreduceException):
     """A group formed but the round did not finish on every part (a member died or timed out mid-round)."""
 
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """What peers must agree on beyond the codec to average together; bumped when a round's meaning changes.
 2: digests of the global parameters are sha256 (they were blake2b). 3: join requests carry an admission token,
 records about a peer are signed, parts are checked against the reducer's own norm. 4: reducers stream averages to
@@ -81,7 +81,8 @@ client-mode senders at once (no delayed results), and join requests carry the we
 the reducer holds the stream open until then (``ExactAllReduceRunner.rpc_aggregate_part``): with 5's peers each
 side would wait for the other until a timeout. 7: mixing groups (p2ptrain/mixing.py): the matchmaking key carries
 the round's cell, the gathered data ``mixing``, a group of different digests averages stepped states, and a peer
-that leaves stores a leaving record (``PeerProgress.leaving``): with 6's peers the cells and the rounds differ."""
+that leaves stores a leaving record (``PeerProgress.leaving``): with 6's peers the cells and the rounds differ.
+8: sparse messages Rice-code their places (``sparse.py``): 7's 12-bit places do not decode as 8's."""
 
 SERVE_SENDERS_TIMEOUT_S = 15.0
 """how long a reducer that has its own result waits for the other senders to take their last averages"""

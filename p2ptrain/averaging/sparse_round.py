@@ -28,6 +28,8 @@ exactly as after a failed reducer; a member that did get every message commits, 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import multiprocessing as mp
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -83,6 +85,7 @@ class _Inbox:
         self.members: Optional[Tuple[PeerID, ...]] = None  # set once this peer runs the group's round
         self.fragment: Optional[int] = None  # the round's fragment, set with ``members``
         self.fragment_of: Dict[PeerID, int] = {}  # the fragment each sender's pieces named
+        self.count_of: Dict[PeerID, int] = {}  # the piece count each sender's pieces named
         self.created = time.monotonic()
 
     def future(self, peer: PeerID) -> asyncio.Future:
@@ -106,14 +109,16 @@ class SparseGatherMixin:
         self.sparse_layout = layout
         self.sparse_layouts = [] if layout is None else [
             Layout(tuple(layout.shapes[i] for i in fragment), layout.k) for fragment in fragments]
-        size = max((f.message_bytes for f in self.sparse_layouts), default=0)
+        size = max((f.max_message_bytes for f in self.sparse_layouts), default=0)
         self.sparse_outbox = torch.zeros(size, dtype=torch.uint8).share_memory_()
+        self._sparse_outbox_bytes = mp.Value(ctypes.c_int64, 0)  # the length of the message in it
         self._sparse_inboxes: Dict[bytes, _Inbox] = {}
         self._sparse_finished: Dict[bytes, float] = {}  # group id -> when its round ended here
 
     def write_sparse_message(self, message: bytes) -> None:
         """The host's message for the next round (of the fragment it is for: its size says which)."""
         self.sparse_outbox[:len(message)].copy_(torch.frombuffer(bytearray(message), dtype=torch.uint8))
+        self._sparse_outbox_bytes.value = len(message)
 
     async def rpc_sparse_piece(self, request: p2ptrain_pb2.SparsePiece, context: P2PContext
                                ) -> p2ptrain_pb2.SparseAck:
@@ -125,8 +130,10 @@ class SparseGatherMixin:
             self.ban(peer, f"it sent a sparse piece of fragment {request.fragment}, of {len(self.sparse_layouts)}")
             return refused
         layout = self.sparse_layouts[request.fragment]
-        count, end = _pieces(layout), min(layout.message_bytes, (request.index + 1) * PIECE_BYTES)
-        if request.pieces != count or request.index >= count or len(request.data) != end - request.index * PIECE_BYTES:
+        count = request.pieces  # every piece but the last is PIECE_BYTES long; the message's own size is decode's
+        if not _pieces(layout.min_message_bytes) <= count <= _pieces(layout.max_message_bytes) or \
+                request.index >= count or not 0 < len(request.data) <= PIECE_BYTES or \
+                request.index < count - 1 and len(request.data) != PIECE_BYTES:
             self.ban(peer, f"it sent a sparse piece that does not fit the message ({request.index} of "
                            f"{request.pieces}, {len(request.data)} bytes, fragment {request.fragment})")
             return refused
@@ -145,6 +152,9 @@ class SparseGatherMixin:
         if inbox.fragment_of.setdefault(peer, request.fragment) != request.fragment or \
                 inbox.fragment is not None and request.fragment != inbox.fragment:
             self._refuse_fragment(inbox, peer, request.fragment)
+            return refused
+        if inbox.count_of.setdefault(peer, count) != count:
+            self.ban(peer, f"it sent pieces of one message counting {inbox.count_of[peer]} and {count} pieces")
             return refused
         pieces = inbox.pieces.setdefault(peer, {})
         pieces[request.index] = request.data
@@ -206,7 +216,7 @@ class SparseGatherMixin:
     async def _send_sparse(self, peer: PeerID, group_id: bytes, message: bytes, fragment: int = 0) -> bool:
         stub = self.get_stub(p2p_of(self), peer, namespace=self.prefix)
         admission = self.auth.token(self.peer_id)
-        count = _pieces(self.sparse_layouts[fragment])
+        count = _pieces(len(message))
         for index in range(count):
             ack = await stub.rpc_sparse_piece(p2ptrain_pb2.SparsePiece(
                 group_id=group_id, index=index, pieces=count, admission=admission, fragment=fragment,
@@ -233,7 +243,7 @@ class SparseGatherMixin:
             self._refuse_fragment(inbox, peer, inbox.fragment_of[peer])
         layout = self.sparse_layouts[fragment]
         contributors = [i for i, w in enumerate(weights) if w > 0]
-        message = bytes(self.sparse_outbox[:layout.message_bytes].numpy()) if weights[me] > 0 else b""
+        message = bytes(self.sparse_outbox[:self._sparse_outbox_bytes.value].numpy()) if weights[me] > 0 else b""
         others = [peer for i, peer in enumerate(members) if i != me]
         failed: List[str] = []
         if die_after_sends is not None and message:
@@ -283,9 +293,9 @@ class SparseGatherMixin:
             self._sparse_finished[group_info.group_id] = time.monotonic()
 
 
-def _pieces(layout: Layout) -> int:
-    """Unary calls a message of ``layout`` takes."""
-    return max(1, -(-layout.message_bytes // PIECE_BYTES))
+def _pieces(message_bytes: int) -> int:
+    """Unary calls a message of this many bytes takes."""
+    return max(1, -(-message_bytes // PIECE_BYTES))
 
 
 async def _wait_any(futures, timeout_s: float) -> None:

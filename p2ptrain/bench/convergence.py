@@ -276,12 +276,14 @@ def experiment(lengths: List[int], local_steps: List[int], compressions: List[st
                echo: Callable[[str], None] = print, swarm_out: Optional[Path] = None,
                streaming: Sequence[tuple] = (), mixing: Sequence[int] = (), sparse: Sequence[int] = ()) -> Dict:
     """Final eval losses of alone, data-parallel and DiLoCo (each H and codec), at each run length; with
-    ``swarm_out``, also the real swarm for the largest H and the first codec (its logs go there). ``streaming``:
+    ``swarm_out``, also the real swarm for the largest H and the first codec (its logs go there), and with k = 128
+    among ``sparse``, the real swarm's ``--compression sparse`` at the smallest H. ``streaming``:
     (fragments, overlap steps or None for the most allowed) schedules, each a Streaming DiLoCo row for every H and
     codec, and (with ``swarm_out``) a real swarm row with it. ``mixing``: group sizes G, each a row of DiLoCo in
     mixing groups of at most G (``run_mixing``) after every H and codec's one-group row, with the replicas' spread
     per round and the loss of their mean in the report. ``sparse``: values kept per chunk k, each a row of
     SparseLoCo's round (``convergence_sparse.run_sparse``) after every H's one-group rows."""
+    from p2ptrain.averaging.sparse import DEFAULT_K
     from p2ptrain.bench.convergence_sparse import run_sparse, sparse_name
 
     results: Dict = {"setup": setup.__dict__, "runs": []}
@@ -311,6 +313,10 @@ def experiment(lengths: List[int], local_steps: List[int], compressions: List[st
             for f, tau, _ in [x for x in schedules if x[2] == h]:
                 runs.append((f"swarm H={h} {c} F={f} tau={tau} ({s.peers} join daemons)", h, c,
                              lambda h=h, c=c, f=f, tau=tau: run_swarm(s, h, c, swarm_out, f, tau)))
+            if DEFAULT_K in sparse:  # the swarm's --compression sparse (its default k) where the sparse rows pay
+                h = min(local_steps)
+                runs.append((f"swarm H={h} sparse k={DEFAULT_K} ({s.peers} join daemons)", h, "sparse",
+                             lambda h=h: run_swarm(s, h, "sparse", swarm_out)))
         for name, h, c, fn in runs:
             started = time.perf_counter()
             outcome: Union[float, Dict] = fn()

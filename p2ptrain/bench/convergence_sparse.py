@@ -31,8 +31,9 @@ def sparse_name(local_steps: int, k: int) -> str:
 def run_sparse(setup: Setup, local_steps: int, k: int = DEFAULT_K, decay: float = DEFAULT_DECAY,
                outer_lr: float = DEFAULT_OUTER_LR, cfg: DiLoCoConfig = DiLoCoConfig()) -> Dict:
     """Returns ``eval_loss`` (replica 0's model: every replica holds the global parameters after a round),
-    ``message_bytes`` (one peer's message per sync), ``fp16_bytes`` (its pseudo-gradient in fp16, what the dense
-    fp16 codec encodes), ``syncs``, ``kept`` (values in one message) and ``union`` (per n, the mean over the syncs
+    ``message_bytes`` (one peer's message per sync, the mean over the peers and syncs: the places' code makes each
+    message's size its own), ``twelve_bit_bytes`` (the same message with every place in 12 bits), ``fp16_bytes``
+    (its pseudo-gradient in fp16, what the dense fp16 codec encodes), ``syncs``, ``kept`` (values in one message) and ``union`` (per n, the mean over the syncs
     of how many entries the first n replicas' messages cover together: how far their top-k sets overlap, which
     decides what a sparse all-reduce moves)."""
     shards, held_out = _data(setup)
@@ -42,7 +43,7 @@ def run_sparse(setup: Setup, local_steps: int, k: int = DEFAULT_K, decay: float 
     layout = Layout(tuple(tuple(g.shape) for g in global_params), k=k)
     accumulators = [[torch.zeros_like(g) for g in global_params] for _ in models]
     sent = [torch.empty_like(g) for g in global_params]
-    syncs = 0
+    syncs, message_bytes = 0, 0
     union = [0.0] * len(models)  # entries kept by any of the first n replicas, summed over the syncs
     for step in range(1, setup.steps + 1):
         _inner_step(models, inners, shards)
@@ -55,7 +56,8 @@ def run_sparse(setup: Setup, local_steps: int, k: int = DEFAULT_K, decay: float 
             pseudo_gradient_(sent, global_params, list(model.parameters()))
             accumulate_(accumulator, sent, decay)
             message, carried = send_(accumulator, layout)
-            assert len(message) == layout.message_bytes
+            assert layout.min_message_bytes <= len(message) <= layout.max_message_bytes
+            message_bytes += len(message)
             for t, c, mask, count in zip(total, carried, kept, senders):
                 t.add_(c)
                 mask |= c != 0
@@ -67,7 +69,10 @@ def run_sparse(setup: Setup, local_steps: int, k: int = DEFAULT_K, decay: float 
             for model in models:
                 merge_(list(model.parameters()), global_params, 0.0)
         syncs += 1
-    return {"eval_loss": evaluate(models[0], held_out), "message_bytes": layout.message_bytes,
+    kept = sum(layout.counts)
+    return {"eval_loss": evaluate(models[0], held_out),
+            "message_bytes": message_bytes / max(syncs * len(models), 1) if syncs else layout.max_message_bytes,
+            "twelve_bit_bytes": 4 * layout.num_chunks + 3 * -(-kept // 2) + -(-kept // 4),
             "fp16_bytes": layout.dense_fp16_bytes, "syncs": syncs, "kept": sum(layout.counts),
             "union": [u / max(syncs, 1) for u in union]}
 
@@ -108,7 +113,7 @@ def bytes_table(results: Dict, setup: Setup) -> List[str]:
         lines.append(f"| {r['name']} | {r['steps']} | {r['eval_loss']:.5f} | {r['per_sync'] / 1e3:,.1f} kB | "
                      f"{r['fp16_share']:.2%} | {r['syncs']} | {r['total'] / 1e6:,.2f} MB |")
     lines += ["", "Bytes: one peer's pseudo-gradient message as its codec encodes it (sparse: the packed top-k "
-                  "message, 12-bit indices and 2-bit values with two fp16 scales per chunk), not what a round's "
+                  "message: two fp16 scales per chunk, 2-bit values, Rice-coded places; the mean over its syncs), not what a round's "
                   "all-reduce moves around it."]
     return lines
 

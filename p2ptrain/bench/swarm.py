@@ -200,7 +200,8 @@ def _read(path: Path) -> dict:
 
 
 def sparse_message_bytes(model: str) -> int:
-    """One peer's sparse message for a built-in model, at the default k (``sparse.Layout``: fixed by the shapes)."""
+    """The most one peer's sparse message for a built-in model may take at the default k (``sparse.Layout``: its
+    places' code makes it shorter; the rounds' own byte counts say by how much)."""
     import torch
 
     from p2ptrain.averaging.sparse import Layout
@@ -208,7 +209,7 @@ def sparse_message_bytes(model: str) -> int:
 
     with torch.device("meta"):
         shapes = tuple(tuple(p.shape) for p in GPT(model_config(model)).parameters())
-    return Layout(shapes).message_bytes
+    return Layout(shapes).max_message_bytes
 
 
 def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dict:
@@ -299,6 +300,10 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
     def sync_bytes(r: dict) -> int:  # a peer's bytes in one sync: the larger of the two directions
         return max(r[wire_key], r.get("wire_received", r["payload_received"]))
 
+    if cfg.compression == "sparse":  # the messages as long as their places' code made them: what the peers sent
+        sent = [r["payload_sent"] / (r["group_size"] - 1) for r in steady_rounds if r["group_size"] > 1]
+        payload = mean(sent) or payload
+        butterfly = (n - 1) * payload
     bytes_per_sync = mean([sync_bytes(r) for r in steady_rounds])
     sync_s = mean([r["sync_s"] for r in steady_rounds])
     bound_s = butterfly / rate_bps if rate_bps else None

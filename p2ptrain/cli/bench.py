@@ -67,7 +67,8 @@ def _streaming_schedule(text: str) -> tuple:
                    "to each H and codec's one-group row, with the replicas' spread per round in the report.")
 @click.option("--sparse-k", "sparse_ks", type=click.IntRange(min=1, max=4096), multiple=True,
               help="--convergence: also SparseLoCo's sparse 2-bit round keeping k values of every 4096 (repeatable: "
-                   "one row per k and H), with bytes per sync and a plot of eval loss against bytes sent.")
+                   "one row per k and H), with bytes per sync and a plot of eval loss against bytes sent; with k = 128, "
+                   "also the real swarm's --compression sparse at the smallest H.")
 @click.option("--no-swarm", "no_swarm", is_flag=True,
               help="--convergence: leave out the real swarm's rows (--peers join daemons on this host).")
 @click.option("--scale", "scale_peers", type=click.IntRange(min=2), multiple=True,

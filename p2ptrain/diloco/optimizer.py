@@ -222,6 +222,8 @@ class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torc
         # compression "sparse": this peer's error-feedback accumulator (SparseLoCo), its own: never in a state a
         # newcomer downloads (a newcomer starts from zeros), kept in checkpoints
         self.sparse_decay = sparse_decay
+        self.sparse_message_bytes = 0
+        """the length of this peer's last sparse message (its places' code makes each one's its own)"""
         self._accumulator: Optional[List[torch.Tensor]] = \
             [torch.zeros_like(g) for g in self.global_params] if compression == SPARSE else None
         self._digest = self._global_digest()

@@ -141,6 +141,7 @@ class BlockingSyncMixin:
             for buffer, value in zip(buffers, carried):
                 buffer.copy_(value)
         self.averager.write_sparse_message(message)
+        self.sparse_message_bytes = len(message)
 
     @torch.no_grad()
     def _unsend_sparse_message(self, diverged: bool, sign: float = 1.0, fragment: int = 0) -> None:

@@ -97,8 +97,11 @@ def test_three_peers_end_every_sync_bit_identical_and_match_sparseloco_math(thre
         assert not all(torch.equal(a, b) for a, b in zip(opts[0]._accumulator, opts[1]._accumulator))
         # a sparse round moves (n - 1) messages each way per peer: a few percent of what fp16 would
         record = opts[0].history[-1]
-        message = opts[0].averager.sparse_layout.message_bytes
-        assert record.bytes_sent == 2 * message and record.bytes_received == 2 * message, record
+        assert record.bytes_sent == 2 * opts[0].sparse_message_bytes, record
+        assert record.bytes_received == sum(opt.sparse_message_bytes for opt in opts[1:]), record
+        # against the fp16 butterfly's 2 (n - 1) / n x 2 bytes a value (k = 8 of 4096 here: about 0.2% of a value)
+        fp16_butterfly = 2 * 2 / 3 * 2 * sum(g.numel() for g in opts[0].global_params)
+        assert record.bytes_sent < 0.02 * fp16_butterfly, (record.bytes_sent, fp16_butterfly)
     finally:
         for opt in opts:
             opt.close()
@@ -116,15 +119,17 @@ def test_streaming_fragments_send_each_fragments_message_and_stay_bit_identical(
                                           max_extra_steps=0)
     try:
         layouts = opts[0].averager.sparse_layouts
-        assert len(layouts) == 3 and len({layout.message_bytes for layout in layouts}) > 1  # sizes differ
+        assert len(layouts) == 3
         for opt in opts:
             assert opt.outer_step == outer_steps and len(opt.history) == outer_steps
             for record in opt.history:
                 assert [r["fragment"] for r in record.fragments] == [0, 1, 2], record.fragments
                 for r, layout in zip(record.fragments, layouts):
                     assert r["averaged"] and r["group_size"] == 3, r
-                    # (n - 1) messages of this fragment each way: a third of the model's message, not all of it
-                    assert r["bytes_sent"] == 2 * layout.message_bytes == r["bytes_received"], (r, layout)
+                    # (n - 1) messages of this fragment each way: a part of the model's message, not all of it
+                    for way in ("bytes_sent", "bytes_received"):
+                        assert 2 * layout.min_message_bytes <= r[way] <= 2 * layout.max_message_bytes, (r, layout)
+                assert sum(r["bytes_sent"] for r in record.fragments) <= 2 * opt.averager.sparse_layout.max_message_bytes
         for a, b, c in zip(*(opt.global_params for opt in opts)):
             assert torch.equal(a, b) and torch.equal(a, c)
         assert len({tuple(r.digest for r in opt.history) for opt in opts}) == 1
@@ -137,7 +142,7 @@ def test_streaming_fragments_send_each_fragments_message_and_stay_bit_identical(
 
 def test_malformed_sparse_pieces_are_refused_and_their_sender_excluded_with_a_logged_reason(three_dhts, tmp_path):
     """Hand-made pieces from fresh p2pd peers to a real averager (two fragments): a sound piece is taken; a piece
-    naming no fragment, of the wrong size or count, or of a fragment other than its sender's earlier pieces of the
+    naming no fragment, empty, of a piece count no message of its fragment takes, or of a fragment other than its sender's earlier pieces of the
     group is refused, its sender excluded, and the averager process logs why."""
     dht = three_dhts[0]
     # the averager process's log, to a file (the handler is inherited when it forks)
@@ -148,7 +153,7 @@ def test_malformed_sparse_pieces_are_refused_and_their_sender_excluded_with_a_lo
                           inner_optimizer=INNER, outer_optimizer=SPARSE_OUTER, compression="sparse", sparse_k=K,
                           fragments=2, matchmaking_time_s=3.0).start()
     averager = opt.averager
-    small = averager.sparse_layouts[1].message_bytes
+    small = averager.sparse_layouts[1].max_message_bytes
     assert small < 2 ** 20  # one piece each
 
     def piece(fragment=1, size=small, pieces=1, group=b"g1", index=0):
@@ -166,16 +171,16 @@ def test_malformed_sparse_pieces_are_refused_and_their_sender_excluded_with_a_lo
         return asyncio.run(exchange())
 
     try:
-        acks, sound = send(piece(), piece(group=b"g2", fragment=0, size=averager.sparse_layouts[0].message_bytes))
+        acks, sound = send(piece(), piece(group=b"g2", fragment=0, size=averager.sparse_layouts[0].max_message_bytes))
         assert acks == [True, True]  # a group this peer does not know yet may be forming: its pieces are kept
         bad = {"no such fragment": (piece(fragment=2), "it sent a sparse piece of fragment 2, of 2"),
-               "wrong size": (piece(size=small - 1), "it sent a sparse piece that does not fit the message"),
+               "empty": (piece(size=0), "it sent a sparse piece that does not fit the message"),
                "wrong count": (piece(pieces=2), "it sent a sparse piece that does not fit the message")}
         senders = {}
         for name, (p, reason) in bad.items():
             acks, senders[name] = send(p, piece(group=b"g3"))
             assert acks == [False, False], name  # refused, then excluded: a sound piece after it is refused too
-        acks, senders["two fragments"] = send(piece(fragment=0, size=averager.sparse_layouts[0].message_bytes),
+        acks, senders["two fragments"] = send(piece(fragment=0, size=averager.sparse_layouts[0].max_message_bytes),
                                               piece(fragment=1))
         assert acks == [True, False]
         assert averager.bans_total == 4 and set(averager.banned_peers) == set(senders.values())

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2ptrain.averaging.compression import WireFormatError
-from p2ptrain.averaging.sparse import CHUNK, Layout, accumulate_, decode, encode, send_
+from p2ptrain.averaging.sparse import CHUNK, Layout, _pack, accumulate_, decode, encode, send_
 
 SHAPES = ((128, 192), (100,), (5000,), (64, 64), (3,), (65, 64))
 
@@ -55,12 +55,27 @@ def test_two_magnitudes_per_chunk_the_means_below_and_above_the_median():
     assert carried.view(-1)[:128].unique().tolist() == pytest.approx([1.25, 1.75], abs=2e-3)
 
 
-def test_a_full_chunk_costs_228_bytes_2_8_percent_of_fp16():
+def test_a_full_chunk_costs_about_140_bytes_1_7_percent_of_fp16():
     one = layout([(64, 64)])
-    assert one.message_bytes == 4 + 192 + 32 == len(encode(tensors(shapes=[(64, 64)]), one)[0])
-    assert one.message_bytes / one.dense_fp16_bytes == pytest.approx(0.0278, abs=1e-4)
-    sizes = [len(encode(tensors(s), layout())[0]) for s in range(3)]
-    assert sizes == [layout().message_bytes] * 3  # the size is fixed by the shapes and k
+    assert one.rice == [4]  # gaps average (4096 - 128) / 128 = 31 values
+    assert one.fixed_bytes == 4 + 32 + 64  # scales, 2-bit codes, 4 low bits of each gap
+    assert (one.min_message_bytes, one.max_message_bytes) == (100 + 16, 100 + -(-(128 + (4096 - 128) // 16) // 8))
+    sizes = [len(encode(tensors(s, [(64, 64)]), one)[0]) for s in range(20)]
+    assert all(one.min_message_bytes <= size <= one.max_message_bytes for size in sizes)
+    # 12-bit places would take 4 + 192 + 32 = 228 bytes (2.8%); the places' entropy is about 103 bytes
+    assert 0.016 < sum(sizes) / len(sizes) / one.dense_fp16_bytes < 0.018
+    assert len(set(sizes)) > 1  # the size is each message's own, within the layout's bounds
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([(64, 64), (1,), (7,), (100,), (4097,), (64, 128), (3, 5)]), min_size=1, max_size=4),
+       st.sampled_from([1, 3, 64, 128, 1000, 2048, 4096]), st.integers(0, 2 ** 16))
+def test_every_layout_and_k_round_trips_within_its_bounds(shapes, k, seed):
+    lay = layout(shapes, k=k)
+    message, carried = encode(tensors(seed, shapes), lay)
+    assert lay.min_message_bytes <= len(message) <= lay.max_message_bytes
+    assert all(torch.equal(a, b) for a, b in zip(carried, decode(message, lay)))
+    assert [int((c != 0).sum()) for c in carried] <= [math.prod(shape) for shape in shapes]
 
 
 def test_the_same_bytes_decode_to_the_same_bits_and_the_accumulator_keeps_the_rest():
@@ -120,36 +135,49 @@ def corrupt(message: bytes, at: int, value: int) -> bytes:
     return bytes(out)
 
 
+def pack_places(lay: Layout, places, seed: int = 0) -> bytes:
+    """A message of ``lay`` keeping the given places (a list per chunk, ascending), with random scales and codes."""
+    rng = np.random.default_rng(seed)
+    index = np.asarray([i for chunk in places for i in chunk], dtype=np.int64)
+    scales = rng.random((lay.num_chunks, 2)).astype(np.float16)
+    return _pack(scales, index, rng.integers(0, 4, index.size).astype(np.uint8), lay)
+
+
 def test_malformed_messages_are_refused_before_anything_is_touched():
-    one = layout([(64, 64), (100,)])
-    message, _ = encode(tensors(3, [(64, 64), (100,)]), one)
-    chunks = 2
-    index_at = 4 * chunks
+    two = layout([(64, 64), (100,)])  # chunks keep 128 and 4 values
+    message, _ = encode(tensors(3, [(64, 64), (100,)]), two)
+    assert decode(pack_places(two, [list(range(0, 4096, 32)), [0, 1, 2, 99]]), two)  # a sound hand-made one
     nan_scale = bytearray(message)
     nan_scale[0:2] = np.float16(np.nan).tobytes()
     negative = bytearray(message)
     negative[2:4] = np.float16(-1.0).tobytes()
-    repeated = bytearray(message)  # the first two indices made equal: 12-bit pairs in 3 bytes
-    repeated[index_at:index_at + 3] = bytes([0, 0, 0])
-    # the short chunk (100 values, 4 kept) names position 4095
-    short_at = index_at + 3 * (128 // 2)
-    out_of_range = bytearray(message)
-    out_of_range[short_at + 3:short_at + 6] = bytes([0xFF, 0xFF, 0xFF])
+    unary = np.unpackbits(np.frombuffer(message[two.fixed_bytes:], np.uint8), bitorder="little")
+    one_short = unary.copy()
+    one_short[np.flatnonzero(unary)[-1]] = 0  # the last value's 1 bit gone: 131 of 132
+    one_more = np.append(unary, np.ones(8, np.uint8))  # a byte of 1 bits after the last value's
     cases = {
-        "short": message[:-1], "long": message + b"\0", "empty": b"",
-        "nan scale": bytes(nan_scale), "negative scale": bytes(negative), "repeated index": bytes(repeated),
-        "index past the chunk": bytes(out_of_range),
+        "short": message[:-1] if len(message) > two.min_message_bytes else message[:two.min_message_bytes - 1],
+        "long": message + bytes(two.max_message_bytes - len(message) + 1), "empty": b"",
+        "padding after the last place": message + b"\0",
+        "nan scale": bytes(nan_scale), "negative scale": bytes(negative),
+        "a value's place missing": message[:two.fixed_bytes] + np.packbits(one_short, bitorder="little").tobytes(),
+        "places past the last value": message[:two.fixed_bytes] + np.packbits(one_more, bitorder="little").tobytes(),
+        # gaps that add up past the 100-value chunk, in a message of a size the layout allows
+        "place past the chunk": pack_places(two, [list(range(0, 4096, 32)), [0, 1, 2, 100]]),
     }
+    assert len(cases["place past the chunk"]) <= two.max_message_bytes
     for name, bad in cases.items():
         with pytest.raises(WireFormatError):
-            decode(bad, one)
+            decode(bytes(bad), two)
+            pytest.fail(f"{name} was decoded")
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(min_size=0, max_size=600))
 def test_any_bytes_decode_or_raise_wire_format_error(data):
-    small = layout([(64, 64), (100,)], k=16)  # 4 + 4 scales bytes..., small enough for the fuzzer to hit the size
-    padded = (data * (1 + small.message_bytes // max(len(data), 1)))[:small.message_bytes] if data else data
+    small = layout([(64, 64), (100,)], k=16)  # 17 values: small enough for the fuzzer to hit the sizes allowed
+    size = small.min_message_bytes + len(data) % (small.max_message_bytes - small.min_message_bytes + 1)
+    padded = (data * (1 + size // max(len(data), 1)))[:size] if data else data
     for candidate in (data, padded):
         try:
             out = decode(candidate, small)
@@ -167,7 +195,8 @@ def test_the_sparse_round_in_one_process_trains_and_counts_its_bytes():
     result = run_sparse(tiny, local_steps=4)
     assert result["syncs"] == 2 and math.isfinite(result["eval_loss"])
     assert result["eval_loss"] < run_alone(Setup(peers=3, steps=0, batch_size=4, eval_batches=2))  # it trained
-    assert result["message_bytes"] / result["fp16_bytes"] == pytest.approx(0.028, abs=0.002)
+    assert result["twelve_bit_bytes"] / result["fp16_bytes"] == pytest.approx(0.028, abs=0.002)
+    assert 0.015 < result["message_bytes"] / result["fp16_bytes"] < 0.02  # the places Rice-coded
     union = result["union"]
     assert union[0] == result["kept"] and union[0] <= union[1] <= union[2] <= 3 * result["kept"]
 
