@@ -3,9 +3,9 @@ process, in place of the butterfly all-reduce.
 
 Each peer's top-k entries differ (4 peers' sets barely overlap: their union is 3.4x one set), so a reduce-scatter
 over the dense range would not shrink what the reducers return; every member instead sends its message
-(``sparse.py``, about 2.8% of fp16) to each other member, receives theirs, and decodes all of them itself. Per sync a
+(``sparse.py``, about 1.7% of fp16) to each other member, receives theirs, and decodes all of them itself. Per sync a
 peer sends (n - 1) messages and receives as many: below the fp16 butterfly's 2 x (n - 1) / n x 2 bytes per
-parameter up to 72 members (docs/bench/2026-11-26-sparse-convergence).
+parameter up to 116 members (docs/bench/2026-11-26-sparse-entropy).
 
 **Bit-identical.** Every member decodes the contributors' messages (members whose gathered weight is above 0) in
 the group's order, adds them up in fp32 in that order and divides each entry by the number of messages that carry
