@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import List, Sequence, Tuple
 
 import numpy as np
@@ -64,7 +65,8 @@ DEFAULT_OUTER_LR = 1.0
 @dataclass(frozen=True)
 class Layout:
     """How a list of tensors is cut into chunks and how many values each keeps: fixed by the shapes and k, so
-    sender and receiver agree on every size without sending any."""
+    sender and receiver agree on every size without sending any. The per-chunk lists and sizes are computed once per
+    layout (every message a round encodes or decodes reads them)."""
 
     shapes: Tuple[Tuple[int, ...], ...]
     k: int = DEFAULT_K
@@ -81,38 +83,38 @@ class Layout:
     def kept(self, length: int) -> int:
         return min(length, -(-self.k * length // CHUNK))
 
-    @property
-    def counts(self) -> List[int]:
-        """Values kept per chunk, every tensor's chunks in order."""
-        return [self.kept(n) for shape in self.shapes for n in self.chunk_lengths(shape)]
-
-    @property
-    def num_chunks(self) -> int:
-        return sum(len(self.chunk_lengths(shape)) for shape in self.shapes)
-
-    @property
+    @cached_property
     def lengths(self) -> List[int]:
         """Values per chunk, every tensor's chunks in order."""
         return [n for shape in self.shapes for n in self.chunk_lengths(shape)]
 
+    @cached_property
+    def counts(self) -> List[int]:
+        """Values kept per chunk, every tensor's chunks in order."""
+        return [self.kept(n) for n in self.lengths]
+
     @property
+    def num_chunks(self) -> int:
+        return len(self.lengths)
+
+    @cached_property
     def rice(self) -> List[int]:
         """The Rice parameter of each chunk's gaps (``rice_bits``)."""
         return [rice_bits(n, c) for n, c in zip(self.lengths, self.counts)]
 
-    @property
+    @cached_property
     def fixed_bytes(self) -> int:
         """Scales, codes and the gaps' low bits: every part of a message but the unary one."""
         kept = sum(self.counts)
         low_bits = sum(c * r for c, r in zip(self.counts, self.rice))
         return 4 * self.num_chunks + -(-kept // 4) + -(-low_bits // 8)
 
-    @property
+    @cached_property
     def min_message_bytes(self) -> int:
         """Every gap below 2^r: one unary bit per kept value."""
         return self.fixed_bytes + -(-sum(self.counts) // 8)
 
-    @property
+    @cached_property
     def max_message_bytes(self) -> int:
         """A chunk's gaps add up to at most n - c, so their high parts to at most (n - c) >> r."""
         unary = sum(c + ((n - c) >> r) for n, c, r in zip(self.lengths, self.counts, self.rice))
@@ -160,7 +162,7 @@ def encode(tensors: Sequence[torch.Tensor], layout: Layout) -> Tuple[bytes, List
     chunks = torch.cat(all_chunks) if all_chunks else torch.empty(0, CHUNK)
     magnitude = chunks.abs().nan_to_num(nan=-1.0)  # padding is never kept
     offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) if len(counts) else counts
-    index = np.zeros(int(counts.sum()), dtype=np.uint16)
+    index = np.zeros(int(counts.sum()), dtype=np.int64)
     code = np.zeros(int(counts.sum()), dtype=np.uint8)
     scales = np.zeros((len(counts), 2), dtype=np.float32)
     for count in np.unique(counts):  # one topk per distinct count: all full chunks together
@@ -178,7 +180,7 @@ def encode(tensors: Sequence[torch.Tensor], layout: Layout) -> Tuple[bytes, List
         index[at] = idx.numpy().reshape(-1)
         code[at] = (((value < 0).to(torch.uint8) << 1) | high.to(torch.uint8)).numpy().reshape(-1)
     scales = np.minimum(scales, np.float32(np.finfo(np.float16).max)).astype(np.float16)
-    message = _pack(scales, index.astype(np.int64), code, layout)
+    message = _pack(scales, index, code, layout)
     return message, decode(message, layout)
 
 

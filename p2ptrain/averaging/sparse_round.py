@@ -17,9 +17,10 @@ its own ``Layout`` (its tensors' chunks), and every piece names its fragment, wh
 this peer knows the group; a member whose pieces name another fragment than the round's has sent a bad message.
 
 **Checked before use.** A piece is taken only from a member of a group this peer is in (or is forming: a faster
-member may send before this one has its group), holding the swarm key and not excluded, with the piece count the
-size of its fragment's message implies; a whole message must decode (``sparse.decode``: exact size, ordered indices, finite scales)
-and its norm must be at most ``max_norm_ratio`` x this peer's own message's. A member that sends a bad message is
+member may send before this one has its group), holding the swarm key and not excluded, with a piece count some
+message of its fragment takes; a whole message must decode (``sparse.decode_entries``: a size within the layout's
+bounds, one place per kept value, each inside its chunk, finite scales), once, and its norm must be at most
+``max_norm_ratio`` x this peer's own message's. A member that sends a bad message is
 excluded; one that sends nothing within ``START_TIMEOUT_S`` (or the round's timeout) has failed. Either way the round
 is incomplete (``IncompleteRoundError``) on this member, which applies nothing and runs it again with the survivors,
 exactly as after a failed reducer; a member that did get every message commits, and the others take its state.
@@ -40,7 +41,7 @@ from hivemind.utils import get_logger
 
 from p2ptrain.averaging.allreduce import START_TIMEOUT_S
 from p2ptrain.averaging.compression import WireFormatError
-from p2ptrain.averaging.sparse import CHUNK, Layout, decode, decode_entries, unchunk
+from p2ptrain.averaging.sparse import CHUNK, Layout, decode_entries, unchunk
 from p2ptrain.faults import kill_this_peer
 from p2ptrain.finite import all_finite
 from p2ptrain.hivemind_compat import p2p_of
@@ -65,11 +66,15 @@ INBOX_TTL_S = 120.0
 def average_messages(messages: Sequence[bytes], layout: Layout) -> List[torch.Tensor]:
     """Each entry's mean over the messages that carry it (zero where none does), summed in the given order: the
     same list of bytes gives the same bits on every peer. Raises ``WireFormatError`` for a message that does not
-    decode (the caller knows whose it was: it decodes them one at a time first, ``decode_all``)."""
+    decode (the round decodes each one alone first, to know whose it was, and averages those: ``average_entries``)."""
+    return average_entries([decode_entries(message, layout) for message in messages], layout)
+
+
+def average_entries(entries: Sequence[Tuple[torch.Tensor, torch.Tensor]], layout: Layout) -> List[torch.Tensor]:
+    """``average_messages`` of messages already decoded (``decode_entries``: places and values)."""
     total = torch.zeros(layout.num_chunks * CHUNK)  # in chunk space: one scatter per message, one unchunk at the end
     count = torch.zeros(layout.num_chunks * CHUNK)
-    for message in messages:
-        at, value = decode_entries(message, layout)  # each place once per message: the sums run in message order
+    for at, value in entries:  # each place once per message: the sums run in message order
         total.index_add_(0, at, value)
         count.index_add_(0, at, (value != 0).float())
     return unchunk(total.div_(count.clamp_(min=1.0)).view(-1, CHUNK), layout)
@@ -229,8 +234,8 @@ class SparseGatherMixin:
                                 weights: Sequence[float], timeout_s: float, fragment: int = 0,
                                 die_after_sends: Optional[int] = None) -> Tuple[int, int, List[str]]:
         """Send our message to every other member, take theirs, and write the average into ``tensors`` (the tensors
-        of ``fragment``; only if every contributor's message came and decoded). Returns (bytes sent, bytes received, the members that
-        failed: empty when the round completed). ``die_after_sends`` (fault injection, ``faults.py``): deliver our
+        of ``fragment``; only if every contributor's message came and decoded). Returns (bytes sent, bytes received,
+        the members that failed: empty when the round completed). ``die_after_sends`` (fault injection, ``faults.py``): deliver our
         message to that many members, in the group's order, then die: they hold it, the others never will."""
         members = tuple(group_info.peer_ids)
         me = members.index(self.peer_id)
@@ -266,23 +271,25 @@ class SparseGatherMixin:
             if failed:
                 return len(message) * len(sends), sum(map(len, received.values())), failed
             ordered = [message if i == me else received[i] for i in contributors]
-            own_norm = _norm(decode(message, layout)) if message else None
+            own_norm = _norm(decode_entries(message, layout)[1]) if message else None
+            entries = []  # each message decoded once: checked here, averaged below
             for i, data in zip(contributors, ordered):
                 try:
-                    values = decode(data, layout)
+                    entries.append(decode_entries(data, layout))
                 except WireFormatError as e:
                     self.ban(members[i], f"its sparse message does not decode ({e})")
                     failed.append(members[i].to_base58())
                     continue
+                norm = _norm(entries[-1][1])  # each place once in a message: its values' norm is the tensors'
                 bound = None if own_norm is None or self.max_norm_ratio is None else self.max_norm_ratio * own_norm
-                if bound is not None and i != me and own_norm > 0 and _norm(values) > bound:
-                    self.ban(members[i], f"its sparse message's norm {_norm(values):.3g} is above "
+                if bound is not None and i != me and own_norm > 0 and norm > bound:
+                    self.ban(members[i], f"its sparse message's norm {norm:.3g} is above "
                                          f"{self.max_norm_ratio:g}x ours ({own_norm:.3g})")
                     failed.append(members[i].to_base58())
             if failed:
                 return len(message) * len(sends), sum(map(len, received.values())), failed
             averaged = await asyncio.get_event_loop().run_in_executor(
-                None, average_messages, ordered, layout)
+                None, average_entries, entries, layout)
             if not all(all_finite(t) for t in averaged):
                 raise WireFormatError("the sparse average has NaN/inf values")  # unreachable with checked scales
             for tensor, value in zip(tensors, averaged):
@@ -309,5 +316,5 @@ def _send_failed(send: Optional[asyncio.Task]) -> bool:
     return send is not None and send.done() and not send.cancelled() and send.exception() is not None
 
 
-def _norm(tensors: Sequence[torch.Tensor]) -> float:
-    return float(torch.sqrt(sum(t.double().pow(2).sum() for t in tensors)))
+def _norm(values: torch.Tensor) -> float:
+    return float(values.double().pow(2).sum().sqrt())

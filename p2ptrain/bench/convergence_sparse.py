@@ -33,9 +33,9 @@ def run_sparse(setup: Setup, local_steps: int, k: int = DEFAULT_K, decay: float 
     """Returns ``eval_loss`` (replica 0's model: every replica holds the global parameters after a round),
     ``message_bytes`` (one peer's message per sync, the mean over the peers and syncs: the places' code makes each
     message's size its own), ``twelve_bit_bytes`` (the same message with every place in 12 bits), ``fp16_bytes``
-    (its pseudo-gradient in fp16, what the dense fp16 codec encodes), ``syncs``, ``kept`` (values in one message) and ``union`` (per n, the mean over the syncs
-    of how many entries the first n replicas' messages cover together: how far their top-k sets overlap, which
-    decides what a sparse all-reduce moves)."""
+    (its pseudo-gradient in fp16, what the dense fp16 codec encodes), ``syncs``, ``kept`` (values in one message)
+    and ``union`` (per n, the mean over the syncs of how many entries the first n replicas' messages cover together:
+    how far their top-k sets overlap, which decides what a sparse all-reduce moves)."""
     shards, held_out = _data(setup)
     models = [build_model(setup.model, seed=setup.seed) for _ in range(setup.peers)]
     inners = [_inner(m.parameters(), cfg) for m in models]
@@ -71,9 +71,9 @@ def run_sparse(setup: Setup, local_steps: int, k: int = DEFAULT_K, decay: float 
         syncs += 1
     kept = sum(layout.counts)
     return {"eval_loss": evaluate(models[0], held_out),
-            "message_bytes": message_bytes / max(syncs * len(models), 1) if syncs else layout.max_message_bytes,
+            "message_bytes": message_bytes / (syncs * len(models)) if syncs else layout.max_message_bytes,
             "twelve_bit_bytes": 4 * layout.num_chunks + 3 * -(-kept // 2) + -(-kept // 4),
-            "fp16_bytes": layout.dense_fp16_bytes, "syncs": syncs, "kept": sum(layout.counts),
+            "fp16_bytes": layout.dense_fp16_bytes, "syncs": syncs, "kept": kept,
             "union": [u / max(syncs, 1) for u in union]}
 
 
@@ -113,8 +113,8 @@ def bytes_table(results: Dict, setup: Setup) -> List[str]:
         lines.append(f"| {r['name']} | {r['steps']} | {r['eval_loss']:.5f} | {r['per_sync'] / 1e3:,.1f} kB | "
                      f"{r['fp16_share']:.2%} | {r['syncs']} | {r['total'] / 1e6:,.2f} MB |")
     lines += ["", "Bytes: one peer's pseudo-gradient message as its codec encodes it (sparse: the packed top-k "
-                  "message: two fp16 scales per chunk, 2-bit values, Rice-coded places; the mean over its syncs), not what a round's "
-                  "all-reduce moves around it."]
+                  "message: two fp16 scales per chunk, 2-bit values, Rice-coded places; the mean over its syncs), "
+                  "not what a round's all-reduce moves around it."]
     return lines
 
 
