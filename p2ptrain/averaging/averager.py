@@ -88,7 +88,7 @@ SERVE_SENDERS_TIMEOUT_S = 15.0
 """how long a reducer that has its own result waits for the other senders to take their last averages"""
 
 MAX_PEER_LIST_BYTES = 4096
-"""room for the ids of the members that failed a round (about 80 of them)"""
+"""room for the ids of the members that failed a round (about 80 of them; 60 excluded peers with their ends)"""
 
 BAN_S = 600.0
 """how long a peer that sent a bad part or a bad average is kept out of this peer's groups"""
@@ -176,8 +176,17 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, Decentralize
 
     @property
     def banned_peers(self) -> List[str]:
-        """Base58 ids of the peers excluded now, as of the last exclusion (one that expired since may be listed)."""
-        return _split_ids(self._banned_ids.value)
+        """Base58 ids of the peers excluded now (host side: read from the averager process's list, each entry with
+        the wall-clock time its exclusion ends)."""
+        now, live = time.time(), []
+        for entry in _split_ids(self._banned_ids.value):
+            peer, _, until = entry.partition("@")
+            try:
+                if float(until) > now:
+                    live.append(peer)
+            except ValueError:
+                continue
+        return live
 
     @property
     def last_failed_members(self) -> set:
@@ -202,6 +211,9 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, Decentralize
 
     state_provider = None
     """A callable returning (metadata, tensors, infos) that newcomers download; set by DiLoCoOptimizer."""
+
+    runner_type = ExactAllReduceRunner
+    """the all-reduce of a group (the tests' rogue peers subclass it)"""
 
     def get_current_state(self):
         # runs in the host process, in hivemind's state-serving thread, when a peer asks for our state
@@ -237,7 +249,9 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, Decentralize
             self._bans_total.value += 1
         self._banned[peer] = (time.monotonic() + BAN_S, reason)
         live = [p for p in list(self._banned) if self.is_banned(p)]
-        self._banned_ids.value = _joined_ids([p.to_base58() for p in live], MAX_PEER_LIST_BYTES - 1)
+        ends = time.time() - time.monotonic()  # the host compares wall-clock ends: its monotonic clock is its own
+        self._banned_ids.value = _joined_ids([f"{p.to_base58()}@{self._banned[p][0] + ends:.0f}" for p in live],
+                                             MAX_PEER_LIST_BYTES - 1)
 
     def is_banned(self, peer: PeerID) -> bool:
         until, _ = self._banned.get(peer, (None, ""))
@@ -411,7 +425,7 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, Decentralize
         norm_scale: float = 1.0, **kwargs
     ) -> RoundResult:
         group_id = group_info.group_id if group_id is None else group_id
-        runner = ExactAllReduceRunner(
+        runner = self.runner_type(
             p2p=p2p_of(self),
             servicer_type=type(self),
             prefix=self.prefix,

@@ -306,7 +306,7 @@ class StateTransferMixin:
                     peer = PeerID(subkey)
                 except Exception:
                     continue  # a malformed declaration is not a donor
-                if peer != self.peer_id:
+                if peer != self.peer_id and not self.is_banned(peer):  # an excluded peer's state is not taken
                     donors.append(peer)
         random.shuffle(donors)  # simultaneous newcomers start on different donors
         return donors

@@ -248,6 +248,7 @@ class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torc
                                      averager_start_timeout_s=averager_start_timeout_s,
                                      publish_first=lambda: self._publish_progress(force=True), tag=self._tag)
         self.progress = self.membership.progress
+        self.progress.excluded = lambda: self.averager.banned_peers  # a caught insider's records stop counting
         self.rounds = Rounds(self.averager, dht, run_id, self.progress, RoundSettings(
             no_group_policy=no_group_policy, matchmaking_time_s=matchmaking_time_s,
             averaging_timeout_s=averaging_timeout_s, late_peer_wait_s=late_peer_wait_s, min_group_size=min_group_size,

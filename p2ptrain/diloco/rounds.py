@@ -19,7 +19,7 @@ from hivemind.utils import get_dht_time
 from p2ptrain.averaging import RoundResult
 from p2ptrain.diloco.records import Outcome, RoundOutcome, RoundOutlook
 from p2ptrain.mixing import cells_of, key_bits
-from p2ptrain.swarm.progress import PeerProgress, fetch_progress
+from p2ptrain.swarm.progress import PeerProgress
 
 logger = logging.getLogger(__package__)  # one logger name for the whole optimizer, as users grep for it
 
@@ -408,8 +408,7 @@ class Rounds:
 
     def outlook(self, position: Position) -> RoundOutlook:
         """Read the run's progress records: is the swarm ahead, and who at this outer step is ready or late."""
-        me = self.dht.peer_id.to_base58()
-        records = [r for r in fetch_progress(self.dht, self.run_id, timeout_s=5.0, leaving=True) if r.peer_id != me]
+        records = self.progress.others(5.0, leaving=True)
         if any(not r.leaving for r in records):
             self.progress.others_seen_at = time.monotonic()
         return outlook_of(records, position.outer_step, position.local_step, position.last_group,
@@ -417,17 +416,14 @@ class Rounds:
 
     def swarm_outer_step(self) -> int:
         """The highest outer step among the run's other live peers (from their progress records), or -1."""
-        me = self.dht.peer_id.to_base58()
-        steps = [r.outer_step for r in fetch_progress(self.dht, self.run_id, timeout_s=5.0) if r.peer_id != me]
-        return max(steps, default=-1)
+        return max((r.outer_step for r in self.progress.others(5.0)), default=-1)
 
     def explain_no_group(self) -> None:
         """If no group can form because no live peer can lead one (all behind NAT, in client mode), say so: at
         most once a minute, instead of waiting in silence."""
         if not self.averager.client_mode or time.monotonic() - self._explained_no_group_at < 60.0:
             return
-        me = self.dht.peer_id.to_base58()
-        others = [r for r in fetch_progress(self.dht, self.run_id, timeout_s=5.0) if r.peer_id != me]
+        others = self.progress.others(5.0)
         if any(not r.client_mode for r in others):
             return
         self._explained_no_group_at = time.monotonic()

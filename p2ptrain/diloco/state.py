@@ -16,7 +16,6 @@ from p2ptrain.averaging import RoundResult
 from p2ptrain.averaging.state_transfer import flatten_state, unflatten_state
 from p2ptrain.diloco.records import Outcome, SyncRecord, _digest_of
 from p2ptrain.finite import all_finite
-from p2ptrain.swarm.progress import fetch_progress
 
 logger = logging.getLogger(__package__)  # one logger name for the whole optimizer, as users grep for it
 
@@ -79,9 +78,7 @@ class StateSharingMixin:
         training again). Skip the inner steps they are ahead by, so that this peer reaches the sync point with them
         instead of late, where the round would wait for it or leave it out again; its pseudo-gradient then holds
         fewer inner steps (the norm check scales with them)."""
-        me = self.dht.peer_id.to_base58()
-        steps = [r.local_step for r in fetch_progress(self.dht, self.run_id, timeout_s=5.0)
-                 if r.peer_id != me and r.outer_step == self.outer_step]
+        steps = [r.local_step for r in self.progress.others(5.0) if r.outer_step == self.outer_step]
         next_sync = (self.local_step // self.local_steps + 1) * self.local_steps
         if self.plan.streaming:
             # never skip a fragment's launch step (its round would start without us), nor the apply step of the

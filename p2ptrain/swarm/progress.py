@@ -15,7 +15,7 @@ import math
 import threading
 import time
 from collections import Counter
-from typing import List, Optional, Tuple
+from typing import Callable, Collection, List, Optional, Tuple
 
 from google.protobuf.message import DecodeError
 from hivemind import DHT
@@ -184,6 +184,9 @@ class ProgressPublisher:
         self.fastest_step_s: Optional[float] = None
         """the shortest inner step among the other live peers' records (their ``step_s``; None: not watching, or
         none known yet). A slower peer sets its stride from it (``DiLoCoOptimizer``'s adaptive steps, pace.py)"""
+        self.excluded: Callable[[], Collection[str]] = lambda: ()
+        """base58 ids of the peers this peer excluded for misbehaving (its averager's bans): their records do not
+        count in its view of the swarm (``others``): a caught insider's word moves nobody's plan, catch-up or pace"""
         self.settings: dict = {}
         """SETTINGS and WORKER_FIELDS -> this peer's value, published with every record (the Worker sets the
         model's description and its own settings, DiLoCoOptimizer adds the rest)"""
@@ -207,8 +210,7 @@ class ProgressPublisher:
                 except Exception as e:  # the DHT is shutting down, or gone: the record lapses on its own
                     logger.debug(f"Could not refresh the progress record: {e!r}")
             if self.watch_swarm and not self._heartbeat_stop.is_set():
-                me = self.dht.peer_id.to_base58()
-                others = [r for r in fetch_progress(self.dht, self.run_id, timeout_s=self.period_s) if r.peer_id != me]
+                others = self.others(self.period_s)
                 self.swarm_outer_step = max((r.outer_step for r in others), default=-1)
                 self.live_peers = len(others) + 1
                 known = [r.step_s for r in others if r.step_s > 0]
@@ -216,6 +218,12 @@ class ProgressPublisher:
                     self.fastest_step_s = min(known)
                 if others:
                     self.others_seen_at = time.monotonic()
+
+    def others(self, timeout_s: float, *, leaving: bool = False) -> List[PeerProgress]:
+        """The other peers' records (``fetch_progress``), but those of the peers this one excluded."""
+        me, excluded = self.dht.peer_id.to_base58(), set(self.excluded())
+        return [r for r in fetch_progress(self.dht, self.run_id, timeout_s=timeout_s, leaving=leaving)
+                if r.peer_id != me and r.peer_id not in excluded]
 
     def publish(self, *, outer_step: int, local_step: int, samples_per_s: float, samples_since_sync: int,
                 wait_s: float = 0.0, step_s: float = 0.0):

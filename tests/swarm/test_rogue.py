@@ -29,10 +29,12 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
 
 from p2ptrain import DiLoCoOptimizer
+from p2ptrain.averaging.allreduce import ExactAllReduceRunner
+from p2ptrain.averaging.averager import PseudoGradientAverager as P2PTrainAverager
 from p2ptrain.proto import p2ptrain_pb2
 from p2ptrain.security import PeerSignatureValidator, SwarmAuth, SwarmKeyValidator, generate_swarm_key, load_identity
 from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht
-from p2ptrain.swarm.progress import RunMismatch, fetch_progress, progress_key
+from p2ptrain.swarm.progress import ProgressPublisher, RunMismatch, fetch_progress, progress_key
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
@@ -333,6 +335,81 @@ def test_key_holders_sending_poison_change_nothing(swarm_key, alone, poisons, tm
     logs = capfd.readouterr().err
     for rogue_dht, _ in rogue_dhts:
         assert f"excluding peer {rogue_dht.peer_id} from this run" in logs, "a rogue was never caught"
+
+
+class PoisonedReducer(ExactAllReduceRunner):
+    """A key holder's runner that sends honest parts but answers, as a reducer, averages x1e30 (fp16 on the wire
+    caps them at 65504: finite, 10^4 times too large)."""
+
+    async def _serialize_average(self, part_index: int, averaged_part: torch.Tensor):
+        return await super()._serialize_average(part_index, averaged_part * 1e30)
+
+
+class RogueReducer(P2PTrainAverager):
+    """p2ptrain's own averager (the exact all-reduce, its codec and checks), with a reducer that lies."""
+
+    runner_type = PoisonedReducer
+
+
+def test_a_caught_reducer_costs_no_round_and_its_records_stop_counting(swarm_key, alone, tmp_path, capfd,
+                                                                       logs_to_stderr):
+    """A key holder in the first round's group sends honest (zero) parts but answers averages x1e30 for its range.
+    Both honest peers catch it and exclude it; it then stores progress records claiming the swarm is 3 outer steps
+    ahead, and offers its state. The honest peers re-run the round without it and ignore its records: they average
+    every round together and end bit-identical to the run without it, take no state, and never step alone."""
+    dhts = honest_swarm(swarm_key)
+    rogue_dht, _ = start_rogue(swarm_key, dhts, str(tmp_path / "rogue.key"))
+    rogue_dht.auth = SwarmAuth.from_key(bytes.fromhex(swarm_key.read_text()))  # its averager's admission tokens
+    me = rogue_dht.peer_id.to_base58()
+    stop, rogues, threads, lied, honest = threading.Event(), [], [], threading.Event(), []
+
+    def attack(opts):
+        honest.extend(opts)
+        zeros = [torch.zeros_like(p) for p in make_model().parameters()]
+        rogue = RogueReducer(zeros, rogue_dht, prefix=PREFIX, compression="fp16", target_group_size=3,
+                             min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=5.0,
+                             next_chunk_timeout=2.5)
+        rogues.append(rogue)
+        rogue.start_in_background(30.0)
+        threads.append(threading.Thread(target=rounds, args=(rogue,), daemon=True))
+        threads[-1].start()
+        time.sleep(1.0)  # the rogue looks for a group before the honest peers' first round
+
+    def rounds(rogue):
+        outer, publisher = 0, ProgressPublisher(rogue_dht, RUN)
+        while not stop.is_set():
+            rogue.set_group_bits(format(outer % 256, "08b"))
+            try:
+                rogue.step(gather={"outer_step": outer, "samples": 8, "digest": "x"}, weight=1.0, timeout=5.0)
+            except Exception:
+                pass
+            steps = [r.outer_step for r in fetch_progress(rogue_dht, RUN, timeout_s=2.0) if r.peer_id != me]
+            outer = max(steps, default=outer)
+            if all(me in opt.averager.banned_peers for opt in honest):  # caught: "the swarm is 3 steps past you"
+                publisher.publish(outer_step=outer + 3, local_step=0, samples_per_s=1e3, samples_since_sync=0)
+                lied.set()
+
+    try:
+        params, histories = train(dhts, before_rounds=attack, target_group_size=3)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=15)
+        for rogue in rogues:
+            rogue.shutdown()
+        rogue_dht.shutdown()
+        for dht in dhts:
+            stop_dht(dht)
+    logs = capfd.readouterr().err
+    assert lied.is_set(), [[(r.outer_step, r.group_size, r.averaged, r.caught_up) for r in h] for h in histories]
+    assert f"excluding peer {me} from this run" in logs and "as a reducer it returned" in logs, logs[-3000:]
+    for history in histories:
+        assert not any(r.caught_up or r.group_size == 1 for r in history), history
+    assert "downloading the state" not in logs
+    assert_same_as_alone(params, histories, alone, rogue_group_sizes=(2, 3))
+    if os.environ.get("P2PTRAIN_ATTACK_REPORT"):  # the benchmark: compare with the same matchmaking waits
+        record_cost("with key: reducer answers x1e30, then records 3 steps ahead", histories,
+                    run_alone(swarm_key, 3), "range refused, round re-run without it, its records ignored")
 
 
 def test_a_peer_with_another_model_or_settings_is_refused_at_join():
