@@ -41,6 +41,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 COMPRESSION_NAMES = ("none", "fp16", "bf16", "int8", "sparse")
 """averaging/compression.py's COMPRESSION_CHOICES (its butterfly codecs, then sparse), in its order"""
+AGGREGATION_NAMES = ("mean", "clip", "trim")
+"""averaging/robust.py's AGGREGATIONS: how a reducer combines its group's parts"""
 NO_GROUP_POLICIES = ("apply_local", "wait")
 """diloco.NO_GROUP_POLICIES: what a peer does when nobody is there to average with"""
 REACHABILITY_MODES = ("auto", "public", "client")
@@ -135,6 +137,11 @@ class DiLoCoConfig:
     top sparse_k of every 4096 values of its decayed error-feedback accumulator in 2 bits, 2.8% of fp16's bytes at
     k = 128; the outer step is plain SGD at sparse_outer_lr, outer_lr and outer_momentum are not used; sync more
     often with it, e.g. H = 15-50; docs/ARCHITECTURE.md, "Sparse 2-bit messages")"""
+    aggregation: str = setting("mean", choices=AGGREGATION_NAMES)
+    """how each reducer combines its group's pseudo-gradients: "mean" (weighted by samples), "clip" (centered
+    clipping: one insider moves the result by a bounded step, and an honest group gets its mean) or "trim" (the
+    coordinate-wise trimmed mean, which also drops honest values); needs groups of 3 or more to do anything, and a
+    butterfly codec (not sparse). Every peer of a run must agree (docs/ARCHITECTURE.md, "Robust aggregation")"""
     sparse_k: int = setting(128, at_least=1, below=4097)
     """--compression sparse: values each peer sends of every chunk of 4096 (a 64x64 tile, or a run of the flattened
     tensor); 128: SparseLoCo's reference setting. Every peer of a run must agree"""
@@ -541,6 +548,9 @@ def validate(config: RunConfig) -> None:
     need(d.compression != "sparse" or d.target_group_size is None,
          "--compression sparse averages the whole swarm in one group: drop --target-group-size (to wait for N peers "
          "before the first round, use --wait-for-peers N)")
+    need(d.compression != "sparse" or d.aggregation == "mean",
+         f"--aggregation {d.aggregation} needs a butterfly codec: the sparse all-gather averages every message on every "
+         "member; use --compression fp16 with it, or --aggregation mean")
     need(t.shard_index is None or t.shard_index < t.num_shards,
          f"train.shard_index {t.shard_index} must be in [0, {t.num_shards}); or leave it unset to claim one")
     need(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),

@@ -17,6 +17,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from p2ptrain.averaging.compression import WireCodec, wire_parts, wire_residual_
+from p2ptrain.averaging.robust import robust_aggregate
 
 
 @torch.no_grad()
@@ -46,12 +47,17 @@ def wire_roundtrip(tensor: torch.Tensor, codec: WireCodec, part_size_bytes: int)
 
 @torch.no_grad()
 def group_average(contributions: Sequence[Sequence[torch.Tensor]], weights: Sequence[float], codec: WireCodec,
-                  part_size_bytes: int) -> List[torch.Tensor]:
+                  part_size_bytes: int, aggregation: str = "mean") -> List[torch.Tensor]:
     """What every member of a group holds after the all-reduce: per tensor, the mean of the members' rounded
     contributions weighted by ``weights`` (their samples; 0 adds nothing, and a group that all weighs 0 gets zeros),
-    rounded again on the way back. ``contributions[k]`` is member k's list of tensors, in the group's order."""
+    rounded again on the way back. ``contributions[k]`` is member k's list of tensors, in the group's order. With an
+    ``aggregation`` other than "mean", each wire part's robust aggregate (``robust.py``), as the part's reducer
+    computes it."""
     if len(contributions) != len(weights):
         raise ValueError(f"{len(contributions)} contributions but {len(weights)} weights")
+    if aggregation != "mean":
+        return [_robust_average(tensors, weights, codec, part_size_bytes, aggregation)
+                for tensors in zip(*contributions, strict=True)]
     total = float(sum(weights)) or 1.0
     averages = []
     for tensors in zip(*contributions, strict=True):
@@ -60,6 +66,17 @@ def group_average(contributions: Sequence[Sequence[torch.Tensor]], weights: Sequ
             accumulator.add_(wire_roundtrip(tensor.float(), codec, part_size_bytes), alpha=weight)
         averages.append(wire_roundtrip(accumulator.div_(total), codec, part_size_bytes))
     return averages
+
+
+def _robust_average(tensors: Sequence[torch.Tensor], weights: Sequence[float], codec: WireCodec,
+                    part_size_bytes: int, aggregation: str) -> torch.Tensor:
+    """One tensor's robust aggregate, wire part by wire part (a reducer sees only its parts), rounded both ways."""
+    rounded = [wire_roundtrip(tensor.float(), codec, part_size_bytes) for tensor in tensors]
+    result = torch.empty_like(rounded[0])
+    split = [wire_parts(t, codec, part_size_bytes) for t in (result, *rounded)]
+    for out, *parts in zip(*split):
+        out.copy_(robust_aggregate(parts, weights, aggregation))
+    return wire_roundtrip(result, codec, part_size_bytes)
 
 
 def make_outer_optimizer(global_params: Sequence[torch.Tensor], lr: float, momentum: float) -> torch.optim.SGD:

@@ -151,6 +151,7 @@ def _optimizer_factories(cfg: RunConfig, dht, publisher: Optional[ProgressPublis
         partial(make_outer_optimizer, lr=diloco_cfg.outer_lr, momentum=diloco_cfg.outer_momentum),
         compression=diloco_cfg.compression,
         sparse_k=diloco_cfg.sparse_k,
+        aggregation=diloco_cfg.aggregation,
         sparse_decay=diloco_cfg.sparse_decay,
         matchmaking_time_s=diloco_cfg.matchmaking_time_s,
         late_peer_wait_s=diloco_cfg.late_peer_wait_s,

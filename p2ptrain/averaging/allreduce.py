@@ -44,6 +44,8 @@ from hivemind.utils.asyncio import amap_in_executor, attach_event_on_finished
 
 from p2ptrain.hivemind_compat import own_input_part, own_input_part_shapes
 from p2ptrain.averaging.compression import WireCodec, WireFormatError
+from p2ptrain.averaging.evidence import AverageSigner
+from p2ptrain.averaging.robust import robust_aggregate
 from p2ptrain.clock import PhaseClock
 from p2ptrain.faults import kill_this_peer
 from p2ptrain.finite import all_finite
@@ -67,13 +69,22 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     def __init__(self, *, die_after_parts: Optional[int] = None, max_norm_ratio: Optional[float] = None,
                  on_bad_peer: Optional[Callable[[PeerID, str], None]] = None,
-                 deviation_scale: Optional[Sequence[torch.Tensor]] = None, **kwargs):
+                 deviation_scale: Optional[Sequence[torch.Tensor]] = None, aggregation: str = "mean",
+                 signer: Optional[AverageSigner] = None,
+                 on_bad_average: Optional[Callable[[PeerID, int, averaging_pb2.AveragingData, str], None]] = None,
+                 **kwargs):
         super().__init__(**kwargs)
-        self.tensor_part_reducer.__class__ = _Reducer  # same state, one method changed
+        self.tensor_part_reducer.__class__ = _Reducer  # same state, its methods changed
+        self.tensor_part_reducer.aggregation = aggregation
+        self.tensor_part_reducer.contributions = {}
         # a part (or an average) whose L2 norm exceeds max_norm_ratio x our own values' norm over the same range is
         # refused: we are honest, and honest peers' pseudo-gradients over one range are alike in size
         self._max_norm_ratio = max_norm_ratio
         self._on_bad_peer = on_bad_peer or (lambda peer, reason: None)
+        # evidence.py: our averages go out signed; a signed average we refuse goes to on_bad_average (evidence)
+        self._signer = signer
+        self._on_bad_average = on_bad_average or (lambda reducer, part_index, message, reason: None)
+        self._signatures: Dict[int, bytes] = {}
         self._own_norms: Dict[tuple, float] = {}
         # ... or, for a range where our own values happen to be small (a bias of 2 values whose steps cancelled out),
         # than the ratio times what our whole vector holds per value over that many values: over a few values, two
@@ -176,11 +187,21 @@ class ExactAllReduceRunner(AllReduceRunner):
             return False
 
     async def _serialize_average(self, part_index: int, averaged_part: torch.Tensor) -> runtime_pb2.Tensor:
-        """Compress the average of one part once; every caller for that part gets the same message."""
+        """Compress the average of one part once (and sign it, with a signer); every caller for that part gets the
+        same message."""
         if part_index not in self._serialized_averages:
             loop = asyncio.get_event_loop()
-            self._serialized_averages[part_index] = loop.run_in_executor(None, self._encode, averaged_part)
+            self._serialized_averages[part_index] = loop.run_in_executor(None, self._encode_and_sign, part_index,
+                                                                         averaged_part)
         return await self._serialized_averages[part_index]
+
+    def _encode_and_sign(self, part_index: int, averaged_part: torch.Tensor) -> runtime_pb2.Tensor:
+        message = self._encode(averaged_part)
+        if self._signer is not None:
+            with self.clock("sign"):
+                self._signatures[part_index] = self._signer.sign(self.group_id, part_index,
+                                                                 message.SerializeToString())
+        return message
 
     def _get_peer_stub(self, peer: PeerID) -> StubBase:
         return _CountingStub(super()._get_peer_stub(peer), self)
@@ -240,10 +261,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                 if msg.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
                 try:
-                    return self._decode(msg.tensor_part)
+                    return msg, self._decode(msg.tensor_part), ""
                 except WireFormatError as e:
-                    logger.warning(f"Reducer {peer_id} answered with an average that does not decode: {e}")
-                    raise AllreduceException(f"{peer_id} sent an average that does not decode") from e
+                    return msg, None, str(e)
 
             # a reducer that runs the round answers its first part within the start timeout (it leaves out a sender
             # that sent nothing by then) plus one part's way: one that does not is not running it
@@ -256,8 +276,10 @@ class ExactAllReduceRunner(AllReduceRunner):
                 max_prefetch=self.tensor_part_container.prefetch,
             )
             try:
-                async for average in answers:
-                    if part_index >= len(expected_shapes) or average.shape != expected_shapes[part_index]:
+                async for msg, average, undecodable in answers:
+                    if undecodable:
+                        problem = f"an average for part #{part_index} that does not decode: {undecodable}"
+                    elif part_index >= len(expected_shapes) or average.shape != expected_shapes[part_index]:
                         problem = f"an average of shape {tuple(average.shape)} for part #{part_index}"
                     else:
                         own = own_input_part(self.tensor_part_container, peer_index, part_index)
@@ -268,6 +290,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                     if problem:
                         logger.warning(f"Reducer {peer_id} returned {problem}; not applying its range")
                         self._on_bad_peer(peer_id, f"as a reducer it returned {problem}")
+                        self._on_bad_average(peer_id, part_index, msg, problem)
                         raise AllreduceException(f"{peer_id} returned {problem}")
                     self.tensor_part_container.register_processed_part(peer_index, part_index, average)
                     part_index += 1
@@ -323,8 +346,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                     logger.debug(f"Sender {sender} is already banned")
                     break  # sender was banned, we no longer need to aggregate it
                 serialized = await self._serialize_average(part_index, averaged_part)
+                reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized,
+                                                    peer_id=self._signatures.get(part_index, b""))
                 part_index += 1
-                reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
                 self.bytes_sent += reply.ByteSize()
                 yield reply
                 self._parts_answered += 1
@@ -409,14 +433,54 @@ async def _aiter_with_timeouts(iterable, first_s: Optional[float], next_s: Optio
 
 
 class _Reducer(TensorPartReducer):
-    """hivemind's reducer, except that a part whose senders all weigh 0 averages to zeros, not to 0/0 = NaN.
+    """hivemind's reducer, with two changes.
 
-    Peers send weight 0 with zeros when they have nothing to add (a newcomer joining a round in progress, a peer
-    whose local training diverged). Once the only contributor to a range has failed, the rest of that range is
-    theirs alone; every member then gets the same zeros, and no honest reducer looks like a poisoner."""
+    A part whose senders all weigh 0 averages to zeros, not to 0/0 = NaN. Peers send weight 0 with zeros when they
+    have nothing to add (a newcomer joining a round in progress, a peer whose local training diverged). Once the only
+    contributor to a range has failed, the rest of that range is theirs alone; every member then gets the same zeros,
+    and no honest reducer looks like a poisoner.
+
+    With an ``aggregation`` other than "mean" (``robust.py``) it keeps every sender's part of the current part instead
+    of a running sum, and answers their robust aggregate once all have come, in the senders' order in the group (the
+    same order whatever order they arrive in)."""
+
+    aggregation = "mean"
+
+    def reset_accumulators(self):
+        self.contributions = {}  # sender index -> (part, weight) of the current part (robust aggregation)
+        super().reset_accumulators()
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                              weight: float = 1.0) -> torch.Tensor:
+        if self.aggregation == "mean":
+            return await super().accumulate_part(sender_index, part_index, tensor_part, weight)
+        # hivemind's (1.1.12), keeping the part instead of adding it into the accumulator
+        assert 0 <= sender_index < self.num_senders, "invalid sender index"
+        assert 0 <= part_index < self.num_parts, "invalid part index"
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:
+            await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())},
+                               return_when=asyncio.FIRST_COMPLETED)
+            if self.finished.is_set():
+                raise AllreduceException(f"attempted to aggregate part in a finalized {self.__class__.__name__}")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        assert part_index == self.current_part_index
+        current_part_future = self.current_part_future
+        if part_index < self.sender_failed_after[sender_index]:
+            self.contributions[sender_index] = (tensor_part, weight)
+            self.current_part_accumulated_from += 1
+            self.check_current_part_finished()
+        return await current_part_future
 
     def check_current_part_finished(self):
-        if self.current_part_accumulated_from == self.num_current_senders and self.denominator == 0:
+        if self.aggregation != "mean" and self.current_part_accumulated_from == self.num_current_senders:
+            ordered = [self.contributions[i] for i in sorted(self.contributions)]
+            if ordered:
+                self.accumulator = robust_aggregate([part for part, _ in ordered], [w for _, w in ordered],
+                                                    self.aggregation)
+            self.denominator = 1.0
+        elif self.current_part_accumulated_from == self.num_current_senders and self.denominator == 0:
             self.denominator = 1.0  # the accumulator holds zeros: 0 x each part
         super().check_current_part_finished()
 

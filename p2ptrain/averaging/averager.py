@@ -7,6 +7,7 @@ import ctypes
 import multiprocessing as mp
 import signal
 import time
+from functools import partial
 from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator, Dict, Iterable, List, Optional, Sequence
 
@@ -27,6 +28,8 @@ from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
 from p2ptrain.averaging.allreduce import ExactAllReduceRunner
 from p2ptrain.averaging.compression import SPARSE, WireCodec, get_compression
+from p2ptrain.averaging.evidence import BAN_S, EvidenceMixin
+from p2ptrain.averaging.robust import check_aggregation
 from p2ptrain.hivemind_compat import (SteeredMatchmaking, check_hivemind, matchmaking_of, p2p_of,
                                                  register_runner)
 from p2ptrain.averaging.sparse import Layout
@@ -90,11 +93,9 @@ SERVE_SENDERS_TIMEOUT_S = 15.0
 MAX_PEER_LIST_BYTES = 4096
 """room for the ids of the members that failed a round (about 80 of them; 60 excluded peers with their ends)"""
 
-BAN_S = 600.0
-"""how long a peer that sent a bad part or a bad average is kept out of this peer's groups"""
 
 
-class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, DecentralizedAverager):
+class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, EvidenceMixin, DecentralizedAverager):
     """Averages a fixed set of CPU tensors with the peers that are ready at the same time.
 
     Unlike its hivemind parent, the result is identical on every peer of a group (see ``ExactAllReduceRunner``),
@@ -107,9 +108,15 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, Decentralize
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: DHT, *, compression: str,
                  max_norm_ratio: Optional[float] = 10.0, fragments: Optional[Sequence[Sequence[int]]] = None,
-                 state_tensors: Sequence[torch.Tensor] = (), sparse_k: int = 128, **kwargs):
+                 state_tensors: Sequence[torch.Tensor] = (), sparse_k: int = 128, aggregation: str = "mean",
+                 **kwargs):
         check_hivemind()  # the internals below are hivemind 1.1.12's: refuse another hivemind in one line
         self.compression_name = compression
+        # how a reducer combines its members' parts (robust.py): part of the schema, so a group agrees on it
+        self.aggregation = check_aggregation(aggregation)
+        if aggregation != "mean" and compression == SPARSE:
+            raise ValueError(f"aggregation {aggregation!r} needs a butterfly round: the sparse codec's all-gather "
+                             "averages every member's message on every member; use aggregation 'mean' with it")
         # who may take part: the swarm key's rule (security.SwarmAuth) that start_dht attached to the DHT
         self.auth: SwarmAuth = getattr(dht, "auth", SwarmAuth())
         self.max_norm_ratio = max_norm_ratio
@@ -125,7 +132,8 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, Decentralize
         # the pseudo-gradients' shapes alone: a peer that also keeps state buffers (mixing groups) still groups with
         # one that does not (a round between them averages pseudo-gradients, or repairs, as before)
         schema = [compute_schema_hash(averaged_tensors).hex(), f"compression={compression}",
-                  f"protocol={PROTOCOL_VERSION}", *([f"sparse_k={sparse_k}"] if compression == SPARSE else [])]
+                  f"protocol={PROTOCOL_VERSION}", *([f"sparse_k={sparse_k}"] if compression == SPARSE else []),
+                  *([f"aggregation={aggregation}"] if aggregation != "mean" else [])]
         self.schema_hash = DHTID.generate(source=schema).to_bytes()
         # rounds in which a group formed but the all-reduce did not complete: the host retries those with the
         # survivors instead of applying its own pseudo-gradient, so no survivor applies a half-averaged result
@@ -149,6 +157,8 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, Decentralize
         self._bans_total = mp.Value(ctypes.c_int64, 0)
         self._banned_ids = mp.Array(ctypes.c_char, MAX_PEER_LIST_BYTES)
         self._init_state_transfer()
+        # our averages go out signed with the DHT's identity key (start_dht attaches it); evidence.py
+        self._init_evidence(getattr(dht, "identity", None))
 
     @property
     def codec(self) -> WireCodec:
@@ -325,6 +335,7 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, Decentralize
         self._steered.plan(self._round_target.value or None, self._round_window_s.value, expected,
                            self._round_cap.value)
         self._running_step = kwargs.get("step")
+        self._watch_evidence()  # from the first round on: other peers' catches exclude reducers here too
         try:
             return await super()._step(**kwargs)
         finally:
@@ -434,9 +445,13 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, Decentralize
             ordered_peer_ids=group_info.peer_ids,
             max_norm_ratio=None if self.max_norm_ratio is None else self.max_norm_ratio * norm_scale,
             on_bad_peer=self.ban,
+            aggregation=self.aggregation,
+            signer=self.signer,
+            on_bad_average=partial(self._report_bad_average, group_id),
             **kwargs,
         )
         register_runner(self, group_id, runner)
+        self._own_rms_last = runner._own_rms or self._own_rms_last  # the scale evidence is judged against
 
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
             async for _ in runner:

@@ -296,6 +296,7 @@ class StateTransferMixin:
                 future.set_result(None)
 
     async def _declared_donors(self) -> List[PeerID]:
+        await self._read_evidence()  # a reducer another peer caught is no donor either (evidence.py)
         key = f"{group_key_prefix(self)}.all_averagers"
         found = await self.dht.get(key, latest=True, return_future=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}

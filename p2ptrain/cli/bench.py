@@ -69,6 +69,13 @@ def _streaming_schedule(text: str) -> tuple:
               help="--convergence: also SparseLoCo's sparse 2-bit round keeping k values of every 4096 (repeatable: "
                    "one row per k and H), with bytes per sync and a plot of eval loss against bytes sent; with k = 128, "
                    "also the real swarm's --compression sparse at the smallest H.")
+@click.option("--attack", "attacks", type=click.Choice(["x5", "flip", "direction"]), multiple=True,
+              help="--convergence: instead, one attacker among --peers replicas (repeatable): its pseudo-gradient "
+                   "x5, sign-flipped, or a fixed direction at 5x its norm; each --aggregation without and with each "
+                   "attack, at the first --local-steps. Writes robust.md and robust.json in --out.")
+@click.option("--aggregation", "aggregations", type=click.Choice(["mean", "clip", "trim"]), multiple=True,
+              default=["mean", "clip", "trim"], show_default=True,
+              help="--attack: the reducers' rules to compare (repeatable).")
 @click.option("--no-swarm", "no_swarm", is_flag=True,
               help="--convergence: leave out the real swarm's rows (--peers join daemons on this host).")
 @click.option("--scale", "scale_peers", type=click.IntRange(min=2), multiple=True,
@@ -90,7 +97,7 @@ def _streaming_schedule(text: str) -> tuple:
               help="--crowd: workers training when the newcomers come.")
 def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, batch_size, out, behind_nat, groupings,
           streaming, throttles, cpu_per_peer, solo, loopback, clean_only, convergence_steps, mixing_group_sizes,
-          sparse_ks, no_swarm, scale_peers, scale_local_steps, scale_group_size, scale_timeout, crowd_newcomers,
+          sparse_ks, attacks, aggregations, no_swarm, scale_peers, scale_local_steps, scale_group_size, scale_timeout, crowd_newcomers,
           crowd_trainers) -> None:
     """Benchmark real swarms over rate-limited links (one network namespace per peer; root needed, else
     loopback): compute utilization, bytes on the wire, sync seconds against the bandwidth bound, eval loss."""
@@ -152,14 +159,24 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
             raise BadInput("--compression sparse: the convergence experiment's sparse rows come from --sparse-k K "
                            "(e.g. --sparse-k 128); --compression there names the butterfly's codecs")
         setup = Setup(model=models[0], peers=peers, batch_size=batch_size)
+        if attacks:
+            from dataclasses import replace
+
+            from p2ptrain.bench.convergence_robust import run_robust
+
+            report = run_robust(replace(setup, steps=convergence_steps[0]), (list(local_steps) or [15])[0],
+                                list(dict.fromkeys(aggregations)), list(dict.fromkeys(attacks)), Path(out),
+                                echo=click.echo)
+            click.echo(f"report: {report}")
+            return
         report = write_convergence(list(convergence_steps), list(local_steps) or [25, 50], list(compressions), setup,
                                    Path(out), echo=click.echo, streaming=schedules,
                                    mixing=list(dict.fromkeys(mixing_group_sizes)), swarm=not no_swarm,
                                    sparse=list(dict.fromkeys(sparse_ks)))
         click.echo(f"report: {report}")
         return
-    if mixing_group_sizes or no_swarm or sparse_ks:
-        raise BadInput("--mixing-group-size, --sparse-k and --no-swarm go with --convergence")
+    if mixing_group_sizes or no_swarm or sparse_ks or attacks:
+        raise BadInput("--mixing-group-size, --sparse-k, --attack and --no-swarm go with --convergence")
     if peers > 8:
         raise BadInput(f"--peers {peers}: at most 8 hosts (more only with --convergence)")
     if not local_steps and not phases:

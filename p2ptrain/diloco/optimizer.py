@@ -42,6 +42,8 @@ class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torc
     :param outer_optimizer: a callable that builds the outer optimizer from the fp32 global parameters
     :param compression: wire format of pseudo-gradients: "none" (fp32), "fp16", "bf16" (2 bytes per value) or
       "int8" (1 byte per value plus an fp32 scale per 1024 values); see ``p2ptrain/averaging/compression.py``
+    :param aggregation: how each reducer combines its group's parts: "mean" (weighted by samples), "clip" (centered
+      clipping) or "trim" (coordinate-wise trimmed mean); see ``p2ptrain/averaging/robust.py``. Not with "sparse"
     :param error_feedback: keep what the wire rounded off this peer's pseudo-gradient (fp32, CPU, one copy of the
       parameters) and add it to the next one, so that nothing is lost for good. None (default): on for "int8" only.
       The residual is dropped when the peer takes the swarm's state or its round is not averaged, and it is in
@@ -133,6 +135,7 @@ class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torc
         adaptive_steps: bool = True,
         sparse_k: int = DEFAULT_K,
         sparse_decay: float = DEFAULT_DECAY,
+        aggregation: str = "mean",
     ):
         _check_arguments(local_steps=local_steps, no_group_policy=no_group_policy,
                          matchmaking_time_s=matchmaking_time_s, averaging_timeout_s=averaging_timeout_s,
@@ -209,6 +212,7 @@ class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torc
             shutdown_timeout=5,
             max_norm_ratio=max_norm_ratio,
             sparse_k=sparse_k,
+            aggregation=aggregation,
             fragments=self.plan.tensors,
             # mixing groups: this peer's stepped global parameters and outer momenta (sync._fill_stepped_state)
             state_tensors=[torch.zeros_like(g) for _ in range(2) for g in self.global_params] if self.mixing else (),

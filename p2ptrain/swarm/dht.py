@@ -186,6 +186,7 @@ def start_dht(config: SwarmConfig) -> hivemind.DHT:
         start=False,
     )
     dht.auth, dht.reachability, dht._identity_dir = auth, reachability, identity_dir
+    dht.identity = validators[0]  # the averager signs its averages with it (averaging/evidence.py)
     if not auth.private:
         logger.warning("this swarm is OPEN: any host that reaches a peer can join it, average with it and download "
                        "the model; give every peer --swarm-key FILE (p2ptrain keygen FILE) to make it private")

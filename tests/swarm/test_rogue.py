@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -56,6 +57,14 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
 
 
+def make_deeper_model() -> torch.nn.Module:
+    """Three layers: whichever place a member takes in a group of 3, its range holds a part (hivemind gives a tensor
+    smaller than a part to the member whose range overlaps it most: with ``make_model`` the middle one gets none)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 4))
+
+
 class _Fd2Handler(logging.Handler):
     """Writes to whatever file descriptor 2 is at the time (capfd's file, in this process and forked ones)."""
 
@@ -80,23 +89,32 @@ def swarm_key(tmp_path_factory):
     return path
 
 
-def honest_swarm(swarm_key, rogue_ready=None):
-    """Two honest peers of a private swarm; returns their DHTs (the first one is the others' initial peer)."""
+def honest_swarm(swarm_key, peers: int = 2):
+    """Peers of a private swarm (two honest ones by default); returns their DHTs (the first one is the others'
+    initial peer)."""
     first = start_dht(SwarmConfig(host_maddrs=[LOOPBACK], swarm_key_file=str(swarm_key)))
-    second = start_dht(SwarmConfig(host_maddrs=[LOOPBACK], swarm_key_file=str(swarm_key),
-                                   initial_peers=[str(m) for m in first.get_visible_maddrs()]))
-    return [first, second]
+    return [first, *(start_dht(SwarmConfig(host_maddrs=[LOOPBACK], swarm_key_file=str(swarm_key),
+                                           initial_peers=[str(m) for m in first.get_visible_maddrs()]))
+                     for _ in range(peers - 1))]
 
 
-def train(dhts, *, before_rounds=None, target_group_size: int = 2):
+TEACHER = torch.randn(16, 4, generator=torch.Generator().manual_seed(7))
+
+
+def train(dhts, *, before_rounds=None, target_group_size: int = 2, model=make_model, aggregation: str = "mean",
+          classes=(), teacher: bool = False):
     """Train one DiLoCoOptimizer per DHT, each in its own thread, on fixed data; returns the final parameters and
-    the optimizers' histories. ``before_rounds`` runs once the optimizers exist (the attack)."""
-    models = [make_model() for _ in dhts]
-    opts = [DiLoCoOptimizer(model.parameters(), dht=dht, run_id=RUN, local_steps=LOCAL_STEPS, inner_optimizer=INNER,
-                            outer_optimizer=OUTER, compression="fp16", matchmaking_time_s=2.0,
-                            averaging_timeout_s=6.0, batch_size=8, target_group_size=target_group_size,
-                            no_group_policy="wait").start()
-            for model, dht in zip(models, dhts)]
+    the optimizers' histories. ``before_rounds`` runs once the optimizers exist (the attack); ``classes``: the
+    optimizer class of the first peers (a rogue's), DiLoCoOptimizer for the rest. The targets are random, or with
+    ``teacher`` one linear map of the inputs that every peer learns (their pseudo-gradients then agree, as those of
+    peers learning one task from different samples do)."""
+    models = [model() for _ in dhts]
+    kinds = [*classes, *[DiLoCoOptimizer] * (len(dhts) - len(classes))]
+    opts = [kind(model.parameters(), dht=dht, run_id=RUN, local_steps=LOCAL_STEPS, inner_optimizer=INNER,
+                 outer_optimizer=OUTER, compression="fp16", matchmaking_time_s=2.0, averaging_timeout_s=6.0,
+                 batch_size=8, target_group_size=target_group_size, no_group_policy="wait",
+                 aggregation=aggregation).start()
+            for kind, model, dht in zip(kinds, models, dhts)]
     errors = []
 
     def run(i):
@@ -104,6 +122,7 @@ def train(dhts, *, before_rounds=None, target_group_size: int = 2):
             gen = torch.Generator().manual_seed(100 + i)
             for _ in range(LOCAL_STEPS * OUTER_STEPS):
                 x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+                y = x @ TEACHER + 0.1 * y if teacher else y
                 torch.nn.functional.mse_loss(models[i](x), y).backward()
                 opts[i].step()
                 opts[i].zero_grad()
@@ -126,10 +145,10 @@ def train(dhts, *, before_rounds=None, target_group_size: int = 2):
             opt.close()
 
 
-def run_alone(swarm_key, target_group_size: int):
+def run_alone(swarm_key, target_group_size: int, model=make_model):
     dhts = honest_swarm(swarm_key)
     try:
-        return train(dhts, target_group_size=target_group_size)
+        return train(dhts, target_group_size=target_group_size, model=model)
     finally:
         for dht in dhts:
             stop_dht(dht)
@@ -275,9 +294,11 @@ def start_rogue(swarm_key, dhts, path) -> tuple:
     """A DHT that holds the key and speaks the record format (security.py), and the rogue's admission token."""
     P2P.generate_identity(path)
     auth = SwarmAuth.from_key(bytes.fromhex(swarm_key.read_text()))
+    identity = PeerSignatureValidator(load_identity(path))
     dht = hivemind.DHT(
         start=True, host_maddrs=[LOOPBACK], initial_peers=dhts[0].get_visible_maddrs(), identity_path=path,
-        record_validators=[PeerSignatureValidator(load_identity(path)), SwarmKeyValidator(auth)])
+        record_validators=[identity, SwarmKeyValidator(auth)])
+    dht.identity = identity  # a p2ptrain averager on it signs its averages, as start_dht's peers do
     return dht, hmac.new(auth.secret, b"admit " + dht.peer_id.to_bytes(), hashlib.sha256).digest()[:16]
 
 
@@ -339,24 +360,36 @@ def test_key_holders_sending_poison_change_nothing(swarm_key, alone, poisons, tm
 
 class PoisonedReducer(ExactAllReduceRunner):
     """A key holder's runner that sends honest parts but answers, as a reducer, averages x1e30 (fp16 on the wire
-    caps them at 65504: finite, 10^4 times too large)."""
+    caps them at 65504: finite, 10^4 times too large), or NaN."""
+
+    poison = 1e30
 
     async def _serialize_average(self, part_index: int, averaged_part: torch.Tensor):
-        return await super()._serialize_average(part_index, averaged_part * 1e30)
+        return await super()._serialize_average(part_index, averaged_part * self.poison)
 
 
 class RogueReducer(P2PTrainAverager):
-    """p2ptrain's own averager (the exact all-reduce, its codec and checks), with a reducer that lies."""
+    """p2ptrain's own averager (the exact all-reduce, its codec and checks), with a reducer that lies. Named like the
+    honest peers' class: hivemind names a servicer's RPC handlers after its class."""
 
     runner_type = PoisonedReducer
 
 
-def test_a_caught_reducer_costs_no_round_and_its_records_stop_counting(swarm_key, alone, tmp_path, capfd,
-                                                                       logs_to_stderr):
-    """A key holder in the first round's group sends honest (zero) parts but answers averages x1e30 for its range.
+RogueReducer.__name__ = SERVICER
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("poison", [1e30, float("nan")], ids=["x1e30", "nan"])
+def test_a_caught_reducer_costs_no_round_and_its_records_stop_counting(swarm_key, tmp_path, capfd, logs_to_stderr,
+                                                                       poison):
+    """A key holder in the first round's group sends honest (zero) parts but answers averages x1e30 (or NaN) for
+    its range.
     Both honest peers catch it and exclude it; it then stores progress records claiming the swarm is 3 outer steps
     ahead, and offers its state. The honest peers re-run the round without it and ignore its records: they average
-    every round together and end bit-identical to the run without it, take no state, and never step alone."""
+    every round together and end bit-identical to the run without it, take no state, and never step alone.
+
+    Their evidence (its signed averages, evidence.py) reaches a newcomer that never met it: a NaN average convicts it
+    there (proven), an x1e30 one does not (judged against the verifier's own contribution, which a newcomer lacks)."""
     dhts = honest_swarm(swarm_key)
     rogue_dht, _ = start_rogue(swarm_key, dhts, str(tmp_path / "rogue.key"))
     rogue_dht.auth = SwarmAuth.from_key(bytes.fromhex(swarm_key.read_text()))  # its averager's admission tokens
@@ -365,33 +398,57 @@ def test_a_caught_reducer_costs_no_round_and_its_records_stop_counting(swarm_key
 
     def attack(opts):
         honest.extend(opts)
-        zeros = [torch.zeros_like(p) for p in make_model().parameters()]
+        zeros = [torch.zeros_like(p) for p in make_deeper_model().parameters()]
         rogue = RogueReducer(zeros, rogue_dht, prefix=PREFIX, compression="fp16", target_group_size=3,
                              min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=5.0,
                              next_chunk_timeout=2.5)
         rogues.append(rogue)
         rogue.start_in_background(30.0)
-        threads.append(threading.Thread(target=rounds, args=(rogue,), daemon=True))
-        threads[-1].start()
+        threads.extend([threading.Thread(target=rounds, args=(rogue,), daemon=True),
+                        threading.Thread(target=lie, daemon=True)])
+        for thread in threads:
+            thread.start()
         time.sleep(1.0)  # the rogue looks for a group before the honest peers' first round
 
     def rounds(rogue):
-        outer, publisher = 0, ProgressPublisher(rogue_dht, RUN)
-        while not stop.is_set():
-            rogue.set_group_bits(format(outer % 256, "08b"))
+        while not stop.is_set() and not lied.is_set():
+            rogue.set_group_bits(format(0, "08b"))
+            # a window as long as the honest peers' first round's: a leader refuses a follower that expires first
+            rogue.set_round_plan(3, 25.0)
             try:
-                rogue.step(gather={"outer_step": outer, "samples": 8, "digest": "x"}, weight=1.0, timeout=5.0)
+                rogue.step(gather={"outer_step": 0, "samples": 8, "digest": "x"}, weight=1.0, timeout=35.0)
             except Exception:
                 pass
-            steps = [r.outer_step for r in fetch_progress(rogue_dht, RUN, timeout_s=2.0) if r.peer_id != me]
-            outer = max(steps, default=outer)
-            if all(me in opt.averager.banned_peers for opt in honest):  # caught: "the swarm is 3 steps past you"
-                publisher.publish(outer_step=outer + 3, local_step=0, samples_per_s=1e3, samples_since_sync=0)
-                lied.set()
 
+    def lie():
+        publisher = ProgressPublisher(rogue_dht, RUN)
+        while not stop.is_set():
+            if all(me in opt.averager.banned_peers for opt in honest):  # caught: "the swarm is 3 steps past you"
+                steps = [r.outer_step for r in fetch_progress(rogue_dht, RUN, timeout_s=2.0) if r.peer_id != me]
+                publisher.publish(outer_step=max(steps, default=0) + 3, local_step=0, samples_per_s=1e3,
+                                  samples_since_sync=0, wait_s=1.0)
+                lied.set()
+            time.sleep(0.1)
+
+    PoisonedReducer.poison = poison  # read in the rogue's averager process, forked below
+    newcomer_bans = []
     try:
-        params, histories = train(dhts, before_rounds=attack, target_group_size=3)
+        params, histories = train(dhts, before_rounds=attack, target_group_size=3, model=make_deeper_model)
+        # a newcomer that never met the rogue reads the honest peers' evidence before it looks for state: it
+        # excludes the rogue (whose averager still declares a state) on their proof alone
+        newcomer_dht = start_dht(SwarmConfig(host_maddrs=[LOOPBACK], swarm_key_file=str(swarm_key),
+                                             initial_peers=[str(m) for m in dhts[0].get_visible_maddrs()]))
+        dhts.append(newcomer_dht)
+        newcomer = P2PTrainAverager([torch.zeros_like(p) for p in make_deeper_model().parameters()], newcomer_dht,
+                                    prefix=PREFIX, compression="fp16", request_timeout=1.0)
+        newcomer.start_in_background(30.0)
+        try:
+            newcomer.download_state(timeout_s=5.0)
+            newcomer_bans.extend(newcomer.banned_peers)
+        finally:
+            newcomer.shutdown()
     finally:
+        PoisonedReducer.poison = 1e30
         stop.set()
         for thread in threads:
             thread.join(timeout=15)
@@ -406,10 +463,20 @@ def test_a_caught_reducer_costs_no_round_and_its_records_stop_counting(swarm_key
     for history in histories:
         assert not any(r.caught_up or r.group_size == 1 for r in history), history
     assert "downloading the state" not in logs
+    accusers = {dht.peer_id.to_base58() for dht in dhts[:2]}
+    convicted = any(f"excluding peer {me} from this run for 600s: peer {accuser} holds its signed average" in logs
+                    for accuser in accusers)
+    if math.isnan(poison):
+        assert newcomer_bans == [me] and convicted, (newcomer_bans, logs[-3000:])
+    else:
+        assert newcomer_bans == [] and not convicted, newcomer_bans
+    alone = run_alone(swarm_key, 2, make_deeper_model)
     assert_same_as_alone(params, histories, alone, rogue_group_sizes=(2, 3))
     if os.environ.get("P2PTRAIN_ATTACK_REPORT"):  # the benchmark: compare with the same matchmaking waits
-        record_cost("with key: reducer answers x1e30, then records 3 steps ahead", histories,
-                    run_alone(swarm_key, 3), "range refused, round re-run without it, its records ignored")
+        record_cost(f"with key: reducer answers {'NaN' if math.isnan(poison) else 'x1e30'}, then records 3 steps "
+                    "ahead", histories,
+                    run_alone(swarm_key, 3, make_deeper_model),
+                    "range refused, round re-run without it, its records ignored")
 
 
 def test_a_peer_with_another_model_or_settings_is_refused_at_join():
@@ -441,3 +508,46 @@ def test_a_peer_with_another_model_or_settings_is_refused_at_join():
         live.close()
         second.shutdown()
         first.shutdown()
+
+
+class SignFlipper(DiLoCoOptimizer):
+    """A key holder that trains like everyone else but sends its pseudo-gradient x(-5): within the 10x norm check,
+    so every part of it is accepted."""
+
+    def _fill_pseudo_gradient(self, *args, **kwargs):
+        diverged = super()._fill_pseudo_gradient(*args, **kwargs)
+        with self.averager.get_tensors() as buffers:
+            for buffer in buffers:
+                buffer.mul_(-5.0)
+        return diverged
+
+
+@pytest.mark.slow
+def test_centered_clipping_bounds_a_sign_flipper_that_the_mean_takes_in(swarm_key):
+    """3 honest peers and a sign-flipper (x-5) in groups of 4. Under the plain mean it drags the honest peers far
+    from where the 3 of them end alone; under --aggregation clip it moves them a fraction of that. Every round
+    still averages the 4 of them, and the honest peers stay bit-identical to each other."""
+    def run(aggregation, rogue):
+        dhts = honest_swarm(swarm_key, 4 if rogue else 3)
+        try:
+            return train(dhts, target_group_size=len(dhts), aggregation=aggregation,
+                         classes=[SignFlipper] if rogue else [], teacher=True)
+        finally:
+            for dht in dhts:
+                stop_dht(dht)
+
+    def flat(params):
+        return torch.cat([p.flatten() for p in params])
+
+    reference, _ = run("mean", rogue=False)
+    distances = {}
+    for aggregation in ("mean", "clip"):
+        params, histories = run(aggregation, rogue=True)
+        honest_params = params[1:]  # peer 0 is the rogue
+        for other in honest_params[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(other, honest_params[0])), "honest peers differ"
+        for history in histories:
+            assert [r.outer_step for r in history if r.averaged] == list(range(1, OUTER_STEPS + 1)), history
+            assert all(r.group_size == 4 for r in history), history
+        distances[aggregation] = float(torch.linalg.vector_norm(flat(honest_params[0]) - flat(reference[0])))
+    assert distances["clip"] < 0.5 * distances["mean"], distances

@@ -53,10 +53,12 @@ def test_light_copies_agree_with_the_heavy_modules():
     """config spells out the names it checks so that it need not import the modules that define them."""
     from p2ptrain import config, diloco
     from p2ptrain.averaging.compression import COMPRESSION_CHOICES
+    from p2ptrain.averaging.robust import AGGREGATIONS
     from p2ptrain.swarm import dht
 
     assert list(config.COMPRESSION_NAMES) == list(COMPRESSION_CHOICES)
     assert tuple(config.NO_GROUP_POLICIES) == tuple(diloco.NO_GROUP_POLICIES)
+    assert tuple(config.AGGREGATION_NAMES) == tuple(AGGREGATIONS)
     assert dht.SwarmConfig is config.SwarmConfig  # the old import path still works
 
 

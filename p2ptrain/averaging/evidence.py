@@ -1,0 +1,196 @@
+"""Evidence against a reducer, so that one peer's catch excludes it swarm-wide.
+
+A reducer signs every average it answers with its libp2p identity key (``security.PeerSignatureValidator``'s RSA
+key: its peer id is the hash of the public key). A sender that refuses a signed average (``ExactAllReduceRunner``'s
+checks) stores it, with the signature and the public key, in a DHT record of its own under the run's evidence key
+(``proto/p2ptrain.proto``, ``Evidence``). Every averager reads those records now and then (``EVIDENCE_POLL_S``) and
+before it takes state, checks each item and excludes the reducer if it is guilty (``judge``).
+
+What is proven, and what is judged:
+
+- **Proven** (anyone can check, nobody can forge): that the reducer sent exactly these bytes as its average of
+  that part of that group (the signature), and, from the bytes alone, that they do not decode with the run's codec
+  or hold NaN/Inf. An honest reducer never sends either.
+- **Judged**: "too large" is not provable. The sender refused the average against its own values over the same
+  range, which a third party does not have. A verifier excludes the reducer only if the average's RMS is over
+  ``JUDGE_FACTOR`` x ``max_norm_ratio`` x the RMS of the verifier's own last contribution: 10x further than the
+  sender's own check, so that an honest reducer of a group whose pseudo-gradients were larger than the verifier's
+  is not excluded on its word. A verifier with no contribution yet (a newcomer) judges nothing but the proven kinds.
+- **Not caught this way**: a reducer that drops a member or scales its average by 1.5 (docs/ARCHITECTURE.md,
+  "Verifying reducers"); an accuser cannot frame an honest reducer (it cannot forge the signature, and an honest
+  average passes the judgement), but it can replay a real signed average of an earlier round, which passes too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import struct
+from typing import List, Optional
+
+import torch
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils import get_dht_time, get_logger
+
+from p2ptrain.averaging.compression import WireCodec, WireFormatError
+from p2ptrain.finite import all_finite
+from p2ptrain.proto import p2ptrain_pb2
+from p2ptrain.security import _RSA_PADDING, peer_id_of
+
+DOMAIN = b"p2ptrain-average"
+EVIDENCE_POLL_S = 5.0
+"""how often an averager reads the evidence records (and always before it takes state)"""
+MAX_ITEMS = 4
+"""signed averages an accuser keeps in its record (its most recent)"""
+MAX_AVERAGE_BYTES = 1 << 20
+"""a signed average larger than this is not stored as evidence (the DHT is not for megabytes); parts are 512 KiB"""
+JUDGE_FACTOR = 10.0
+BAN_S = 600.0
+"""how long an evidence record lives (the averager's exclusions last as long)"""
+
+logger = get_logger(__name__)
+
+
+def evidence_key(prefix: str) -> str:
+    return f"{prefix}_evidence"
+
+
+def _signed_bytes(group_id: bytes, part_index: int, average: bytes) -> bytes:
+    return hashlib.sha256(DOMAIN + group_id + struct.pack(">I", part_index) + average).digest()
+
+
+class AverageSigner:
+    """Signs a reducer's averages with its identity key (a ``PeerSignatureValidator``'s)."""
+
+    def __init__(self, identity) -> None:
+        self._key: rsa.RSAPrivateKey = identity._key
+        self.public_der: bytes = identity._public_der
+
+    def sign(self, group_id: bytes, part_index: int, average: bytes) -> bytes:
+        """What an answer's ``peer_id`` field carries: the signature, the public key (DER), the key's length as 2
+        bytes (about 550 bytes with a 2048-bit key)."""
+        signature = self._key.sign(_signed_bytes(group_id, part_index, average), _RSA_PADDING, hashes.SHA256())
+        return signature + self.public_der + struct.pack(">H", len(self.public_der))
+
+
+def signed_average(reducer: PeerID, group_id: bytes, part_index: int, message, reason: str) -> Optional[bytes]:
+    """The serialized ``SignedAverage`` of a reducer's answer (a hivemind ``AveragingData`` whose ``peer_id`` field
+    carries ``AverageSigner.sign``'s bytes); None if it carries none, or is too large to keep."""
+    average, field = message.tensor_part.SerializeToString(), message.peer_id
+    if len(field) < 3 or len(average) > MAX_AVERAGE_BYTES:
+        return None
+    (key_len,) = struct.unpack(">H", field[-2:])
+    if key_len + 2 >= len(field):
+        return None
+    signature, public_der = field[:-2 - key_len], field[-2 - key_len:-2]
+    return p2ptrain_pb2.SignedAverage(reducer=reducer.to_bytes(), group_id=group_id, part_index=part_index,
+                                      average=average, signature=signature, public_key=public_der,
+                                      reason=reason[:200]).SerializeToString()
+
+
+def signed_by_reducer(item: p2ptrain_pb2.SignedAverage) -> bool:
+    """Whether the reducer the item names signed its average (its public key hashes to its peer id)."""
+    try:
+        if peer_id_of(item.public_key).to_bytes() != item.reducer:
+            return False
+        key = serialization.load_der_public_key(item.public_key)
+        if not isinstance(key, rsa.RSAPublicKey) or key.key_size > 8192:
+            return False
+        key.verify(item.signature, _signed_bytes(item.group_id, item.part_index, item.average), _RSA_PADDING,
+                   hashes.SHA256())
+        return True
+    except (InvalidSignature, ValueError, TypeError, UnsupportedAlgorithm):
+        return False
+
+
+def judge(item: p2ptrain_pb2.SignedAverage, codec: WireCodec, max_norm_ratio: Optional[float],
+          own_rms: Optional[float]) -> str:
+    """Why the signed average convicts its reducer ("" if it does not): it must be the reducer's own, and then
+    undecodable, non-finite, or (judged, with ``own_rms``) far too large."""
+    if not signed_by_reducer(item):
+        return ""
+    try:
+        values = codec.extract(runtime_pb2.Tensor.FromString(item.average))
+    except (WireFormatError, Exception):  # any failure to parse a signed answer is the reducer's
+        return "it signed an average that does not decode"
+    if not all_finite(values):
+        return "it signed an average with NaN or infinite values"
+    if max_norm_ratio is None or not own_rms or values.numel() == 0:
+        return ""
+    rms = float(torch.linalg.vector_norm(values.float())) / math.sqrt(values.numel())
+    if rms > JUDGE_FACTOR * max_norm_ratio * own_rms:
+        return (f"it signed an average of RMS {rms:.4g}, over {JUDGE_FACTOR * max_norm_ratio:g}x this peer's own "
+                f"{own_rms:.4g}")
+    return ""
+
+
+class EvidenceMixin:
+    """The averager's side (averager process): store what we caught, read and judge what others caught."""
+
+    def _init_evidence(self, identity) -> None:
+        self.signer = AverageSigner(identity) if identity is not None else None
+        self._evidence_items: List[bytes] = []  # our most recent signed averages refused (averager process)
+        self._evidence_seen: set = set()  # digests of the items judged already
+        self._evidence_task = None
+        self._own_rms_last: Optional[float] = None  # RMS of our last contribution to a round: the judge's scale
+
+    def _report_bad_average(self, group_id: bytes, reducer: PeerID, part_index: int, message, reason: str) -> None:
+        item = signed_average(reducer, group_id, part_index, message, reason)
+        if item is None:
+            return  # unsigned: nothing another peer could check
+        self._evidence_items = [*self._evidence_items, item][-MAX_ITEMS:]
+        asyncio.create_task(self._store_evidence())
+
+    async def _store_evidence(self) -> None:
+        try:
+            value = p2ptrain_pb2.Evidence(
+                items=[p2ptrain_pb2.SignedAverage.FromString(i) for i in self._evidence_items]).SerializeToString()
+            await self.dht.store(evidence_key(self.prefix), value, get_dht_time() + BAN_S,
+                                 subkey=self.peer_id.to_bytes(), return_future=True)
+        except Exception as e:  # the DHT is shutting down, or unreachable: our own exclusion still stands
+            logger.warning(f"could not store the evidence against a reducer: {e!r}")
+
+    def _watch_evidence(self) -> None:
+        """Start reading the evidence records every ``EVIDENCE_POLL_S`` (averager process; once)."""
+        if self._evidence_task is None:
+            self._evidence_task = asyncio.create_task(self._evidence_loop())
+
+    async def _evidence_loop(self) -> None:
+        while True:
+            await self._read_evidence()
+            await asyncio.sleep(EVIDENCE_POLL_S)
+
+    async def _read_evidence(self) -> None:
+        """Judge every signed average stored against a reducer that we have not judged yet; exclude the guilty."""
+        try:
+            found = await self.dht.get(evidence_key(self.prefix), latest=True, return_future=True)
+        except Exception as e:
+            logger.debug(f"could not read the evidence records: {e!r}")
+            return
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        for subkey, entry in entries.items():
+            try:
+                accuser = PeerID(subkey)
+                items = p2ptrain_pb2.Evidence.FromString(entry.value).items[:MAX_ITEMS]
+            except Exception:
+                continue  # a malformed record convicts nobody
+            for item in items:
+                digest = hashlib.sha256(item.SerializeToString()).digest()
+                if accuser == self.peer_id or digest in self._evidence_seen:
+                    continue
+                self._evidence_seen.add(digest)
+                try:
+                    reducer = PeerID(item.reducer)
+                except Exception:
+                    continue
+                if reducer == self.peer_id or self.is_banned(reducer):
+                    continue
+                reason = judge(item, self.codec, self.max_norm_ratio, self._own_rms_last)
+                if reason:
+                    self.ban(reducer, f"peer {accuser} holds its signed average of part #{item.part_index} of a "
+                                      f"group: {reason}")
