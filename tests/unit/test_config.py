@@ -44,6 +44,9 @@ def test_file_then_overrides(tmp_path):
         ("[diloco]\ncompression = 'sparse'\ntarget_group_size = 4\n",
          "--compression sparse averages the whole swarm in one group: drop --target-group-size"),
         ("[diloco]\nsparse_k = 5000\n", "diloco.sparse_k must be in [1, 4097), got 5000"),
+        ("[diloco]\ncompression = 'sparse'\naggregation = 'clip'\n",
+         "--aggregation clip needs a butterfly codec: the sparse all-gather averages every message on every member"),
+        ("[diloco]\naggregation = 'median'\n", "use one of: mean, clip, trim"),
     ],
 )
 def test_bad_values_name_the_setting(tmp_path, text, fragment):
