@@ -1,7 +1,8 @@
 """What each attack of a rogue peer costs the honest peers of a private swarm: runs tests/swarm/test_rogue.py (two
 honest DiLoCo peers, a plain-hivemind rogue; every test also asserts the honest parameters end bit-identical to a
 run without the rogue) and prints, per attack, the honest peers' sync seconds and payload bytes against the same
-run without it.
+run without it; for plausible poison (within the norm check), how far it moved the honest peers' parameters under the
+plain mean and under --aggregation clip.
 
     python benchmarks/bench_attacks.py [--json FILE]
 """
@@ -31,6 +32,8 @@ def main() -> None:
         if done.returncode != 0:
             sys.exit(f"the rogue-peer tests failed (exit {done.returncode}); no figures")
         costs = json.loads(report.read_text())
+    poisons = {attack: c for attack, c in costs.items() if "distance_from_honest_run" in c}
+    costs = {attack: c for attack, c in costs.items() if attack not in poisons}
     print(f"\n{'attack':<52} {'outcome':<30} {'sync s (alone)':>16} {'extra s':>8} {'payload kB (alone)':>19} "
           f"{'extra kB':>9}")
     for attack, c in costs.items():
@@ -41,8 +44,14 @@ def main() -> None:
     for attack, c in costs.items():
         print(f"{attack}: each sync's seconds per honest peer {c['rounds_s']}, without the rogue "
               f"{c['rounds_s_alone']}")
+    if poisons:
+        print(f"\n{'plausible poison (3 honest peers + 1, groups of 4)':<52} {'|honest - honest alone|, mean':>30} "
+              f"{'clip':>8}")
+        for attack, c in poisons.items():
+            d = c["distance_from_honest_run"]
+            print(f"{attack:<52} {d['mean']:>30.4f} {d['clip']:>8.4f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(costs, indent=1))
+        Path(args.json).write_text(json.dumps({**costs, **poisons}, indent=1))
 
 
 if __name__ == "__main__":

@@ -510,28 +510,41 @@ def test_a_peer_with_another_model_or_settings_is_refused_at_join():
         first.shutdown()
 
 
-class SignFlipper(DiLoCoOptimizer):
-    """A key holder that trains like everyone else but sends its pseudo-gradient x(-5): within the 10x norm check,
-    so every part of it is accepted."""
+def _toward_direction(buffer: torch.Tensor) -> torch.Tensor:
+    """A fixed direction of the attacker's choosing (the same every round), at 5x the buffer's norm."""
+    direction = torch.randn(buffer.shape, generator=torch.Generator().manual_seed(buffer.numel()))
+    return direction * (5.0 * torch.linalg.vector_norm(buffer) / torch.linalg.vector_norm(direction))
+
+
+PLAUSIBLE_POISONS = {"x5": lambda b: 5.0 * b, "flip_x5": lambda b: -5.0 * b, "direction": _toward_direction}
+
+
+class PlausiblePoisoner(DiLoCoOptimizer):
+    """A key holder that trains like everyone else but sends a poisoned pseudo-gradient within the 10x norm check,
+    so every part of it is accepted: ``poison`` (a PLAUSIBLE_POISONS key) picks how."""
+
+    poison = "flip_x5"
 
     def _fill_pseudo_gradient(self, *args, **kwargs):
         diverged = super()._fill_pseudo_gradient(*args, **kwargs)
         with self.averager.get_tensors() as buffers:
             for buffer in buffers:
-                buffer.mul_(-5.0)
+                buffer.copy_(PLAUSIBLE_POISONS[self.poison](buffer))
         return diverged
 
 
 @pytest.mark.slow
-def test_centered_clipping_bounds_a_sign_flipper_that_the_mean_takes_in(swarm_key):
-    """3 honest peers and a sign-flipper (x-5) in groups of 4. Under the plain mean it drags the honest peers far
-    from where the 3 of them end alone; under --aggregation clip it moves them a fraction of that. Every round
-    still averages the 4 of them, and the honest peers stay bit-identical to each other."""
+@pytest.mark.parametrize("poison", sorted(PLAUSIBLE_POISONS))
+def test_centered_clipping_bounds_plausible_poison_that_the_mean_takes_in(swarm_key, poison):
+    """3 honest peers and a poisoner (x5, x-5, or a direction of its own at 5x its norm) in groups of 4. Under the
+    plain mean it drags the honest peers far from where the 3 of them end alone; under --aggregation clip it moves
+    them a fraction of that. Every round still averages the 4 of them, and the honest peers stay bit-identical to
+    each other."""
     def run(aggregation, rogue):
         dhts = honest_swarm(swarm_key, 4 if rogue else 3)
         try:
             return train(dhts, target_group_size=len(dhts), aggregation=aggregation,
-                         classes=[SignFlipper] if rogue else [], teacher=True)
+                         classes=[PlausiblePoisoner] if rogue else [], teacher=True)
         finally:
             for dht in dhts:
                 stop_dht(dht)
@@ -539,6 +552,7 @@ def test_centered_clipping_bounds_a_sign_flipper_that_the_mean_takes_in(swarm_ke
     def flat(params):
         return torch.cat([p.flatten() for p in params])
 
+    PlausiblePoisoner.poison = poison
     reference, _ = run("mean", rogue=False)
     distances = {}
     for aggregation in ("mean", "clip"):
@@ -550,4 +564,6 @@ def test_centered_clipping_bounds_a_sign_flipper_that_the_mean_takes_in(swarm_ke
             assert [r.outer_step for r in history if r.averaged] == list(range(1, OUTER_STEPS + 1)), history
             assert all(r.group_size == 4 for r in history), history
         distances[aggregation] = float(torch.linalg.vector_norm(flat(honest_params[0]) - flat(reference[0])))
+    COSTS[f"with key: plausible poison {poison}, 1 of 4"] = dict(
+        outcome="averaged in (mean) / clipped (clip)", distance_from_honest_run=distances)
     assert distances["clip"] < 0.5 * distances["mean"], distances
