@@ -45,11 +45,11 @@ def main() -> None:
         print(f"{attack}: each sync's seconds per honest peer {c['rounds_s']}, without the rogue "
               f"{c['rounds_s_alone']}")
     if poisons:
-        print(f"\n{'plausible poison (3 honest peers + 1, groups of 4)':<52} {'|honest - honest alone|, mean':>30} "
-              f"{'clip':>8}")
+        print("\nplausible poison (3 honest peers + 1, groups of 4): how far the honest peers' parameters end from "
+              "where the 3 of them end alone")
         for attack, c in poisons.items():
-            d = c["distance_from_honest_run"]
-            print(f"{attack:<52} {d['mean']:>30.4f} {d['clip']:>8.4f}")
+            distances = ", ".join(f"{name} {d:.4f}" for name, d in c["distance_from_honest_run"].items())
+            print(f"{attack:<64} {distances}")
     if args.json:
         Path(args.json).write_text(json.dumps({**costs, **poisons}, indent=1))
 

@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from p2ptrain.averaging.compression import WireCodec, wire_parts, wire_residual_
-from p2ptrain.averaging.robust import robust_aggregate
+from p2ptrain.averaging.robust import robust_aggregate, weight_cap
 
 
 @torch.no_grad()
@@ -55,6 +55,8 @@ def group_average(contributions: Sequence[Sequence[torch.Tensor]], weights: Sequ
     computes it."""
     if len(contributions) != len(weights):
         raise ValueError(f"{len(contributions)} contributions but {len(weights)} weights")
+    cap = weight_cap(weights)  # as the reducers cap the members' claims
+    weights = [min(float(w), cap) for w in weights]
     if aggregation != "mean":
         return [_robust_average(tensors, weights, codec, part_size_bytes, aggregation)
                 for tensors in zip(*contributions, strict=True)]

@@ -70,12 +70,14 @@ class ExactAllReduceRunner(AllReduceRunner):
     def __init__(self, *, die_after_parts: Optional[int] = None, max_norm_ratio: Optional[float] = None,
                  on_bad_peer: Optional[Callable[[PeerID, str], None]] = None,
                  deviation_scale: Optional[Sequence[torch.Tensor]] = None, aggregation: str = "mean",
+                 weight_cap: float = math.inf,
                  signer: Optional[AverageSigner] = None,
                  on_bad_average: Optional[Callable[[PeerID, int, averaging_pb2.AveragingData, str], None]] = None,
                  **kwargs):
         super().__init__(**kwargs)
         self.tensor_part_reducer.__class__ = _Reducer  # same state, its methods changed
         self.tensor_part_reducer.aggregation = aggregation
+        self.tensor_part_reducer.weight_cap = weight_cap  # robust.weight_cap of the group's gathered weights
         self.tensor_part_reducer.contributions = {}
         # a part (or an average) whose L2 norm exceeds max_norm_ratio x our own values' norm over the same range is
         # refused: we are honest, and honest peers' pseudo-gradients over one range are alike in size
@@ -445,6 +447,7 @@ class _Reducer(TensorPartReducer):
     same order whatever order they arrive in)."""
 
     aggregation = "mean"
+    weight_cap = math.inf
 
     def reset_accumulators(self):
         self.contributions = {}  # sender index -> (part, weight) of the current part (robust aggregation)
@@ -452,6 +455,7 @@ class _Reducer(TensorPartReducer):
 
     async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
                               weight: float = 1.0) -> torch.Tensor:
+        weight = min(weight, self.weight_cap)  # a sender's weight is its own claim: capped (robust.weight_cap)
         if self.aggregation == "mean":
             return await super().accumulate_part(sender_index, part_index, tensor_part, weight)
         # hivemind's (1.1.12), keeping the part instead of adding it into the accumulator

@@ -29,7 +29,7 @@ from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 from p2ptrain.averaging.allreduce import ExactAllReduceRunner
 from p2ptrain.averaging.compression import SPARSE, WireCodec, get_compression
 from p2ptrain.averaging.evidence import BAN_S, EvidenceMixin
-from p2ptrain.averaging.robust import check_aggregation
+from p2ptrain.averaging.robust import check_aggregation, weight_cap
 from p2ptrain.hivemind_compat import (SteeredMatchmaking, check_hivemind, matchmaking_of, p2p_of,
                                                  register_runner)
 from p2ptrain.averaging.sparse import Layout
@@ -385,8 +385,11 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, EvidenceMixi
                 )
                 scale = mine.get("norm_scale", 1.0) if isinstance(mine, dict) else 1.0
                 scale = float(scale) if isinstance(scale, (int, float)) and 1.0 <= scale < float("inf") else 1.0
+                claimed = [entry.get("weight", 1.0) if isinstance(entry, dict) else 1.0 for entry in gathered.values()]
+                cap = weight_cap(w for w in claimed if isinstance(w, (int, float)))  # robust.py
                 result = await self._run_allreduce_inplace_(
-                    local_tensors, group_info, peer_fractions=peer_fractions, norm_scale=scale, **kwargs
+                    local_tensors, group_info, peer_fractions=peer_fractions, norm_scale=scale, weight_cap=cap,
+                    **kwargs
                 )
             result.gathered, result.mixed = gathered, mixed
             result.allreduce_s = time.perf_counter() - started
@@ -416,6 +419,8 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, EvidenceMixi
             weight = gathered.get(peer.to_base58(), {})
             weight = weight.get("weight", 1.0) if isinstance(weight, dict) else 1.0
             weights.append(float(weight) if isinstance(weight, (int, float)) and weight >= 0 else 0.0)
+        cap = weight_cap(weights)  # a weight is the member's own claim (robust.py)
+        weights = [min(weight, cap) for weight in weights]
         # no butterfly runner serves this group: marks it as running, so hivemind does not report it unfinished
         register_runner(self, group_info.group_id, None)
         fragment = self._round_fragment.value  # every member's is the same: it is part of the group key

@@ -6,11 +6,16 @@ sign-flipped or pointed anywhere within that norm, it is averaged in like anyone
 contribution to its part before it answers (``TensorPartReducer`` waits for all of them), so it can aggregate them
 robustly instead. Two rules, chosen with ``--aggregation``:
 
+Under every rule, the mean included, a member's weight counts at most ``WEIGHT_CAP`` x the median of the weights
+its group gathered (``weight_cap``): a weight is the member's own claim of its samples, and without the cap one
+member claiming 10^9 samples made the mean its own pseudo-gradient. Honest members train about the same samples per
+phase (adaptive inner steps), so the cap binds on nobody honest but a peer more than twice as fast as the median
+that runs with --no-adaptive-steps.
+
 - ``clip``: centered clipping (Karimireddy, He and Jaggi 2021, "Learning from History for Byzantine Robust
   Optimization"). Start from the coordinate-wise median v; then, ``CLIP_ITERATIONS`` times,
   ``v <- v + sum_i w_i clip(x_i - v, tau) / sum_i w_i`` with ``clip(z, tau) = z min(1, tau / |z|)`` and
-  ``tau = CLIP_RADIUS x`` the median of the members' distances to the starting median. A member's weight (its
-  samples, which it states itself) is capped at ``WEIGHT_CAP`` x the median weight.
+  ``tau = CLIP_RADIUS x`` the median of the members' distances to the starting median.
   Guarantee: each iteration moves v by at most ``tau x w_i / sum w`` per member, so f attackers shift the result by
   at most ``CLIP_ITERATIONS x tau x`` their share of the (capped) weight, whatever they send; tau is set by the
   honest majority's spread (the median distance) as long as attackers are fewer than half. When nobody is far from
@@ -28,7 +33,8 @@ computes the aggregate once and sends the same bits to every member, so the memb
 from __future__ import annotations
 
 import math
-from typing import Sequence
+import statistics
+from typing import Iterable, Sequence
 
 import torch
 
@@ -42,6 +48,14 @@ WEIGHT_CAP = 2.0
 """a member's weight counts at most this x the median weight of the group (``clip``)"""
 TRIM_SHARE = 0.25
 """``trim`` drops this share of the members (at least 1) at each end of every value"""
+
+
+def weight_cap(weights: Iterable[float]) -> float:
+    """The most one member's weight counts in a group that gathered ``weights``: ``WEIGHT_CAP`` x their median
+    (over the members with a finite weight above 0; infinity if there are none). Every member computes it from the
+    same gathered weights, so the reducers agree."""
+    positive = [float(w) for w in weights if 0 < float(w) < math.inf]
+    return WEIGHT_CAP * statistics.median(positive) if positive else math.inf
 
 
 def check_aggregation(name: str) -> str:

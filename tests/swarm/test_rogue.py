@@ -567,3 +567,41 @@ def test_centered_clipping_bounds_plausible_poison_that_the_mean_takes_in(swarm_
     COSTS[f"with key: plausible poison {poison}, 1 of 4"] = dict(
         outcome="averaged in (mean) / clipped (clip)", distance_from_honest_run=distances)
     assert distances["clip"] < 0.5 * distances["mean"], distances
+
+
+class WeightInflater(PlausiblePoisoner):
+    """A poisoner (x-5) that also claims 10^6 times the samples it trained on."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        run = self.rounds.run
+        self.rounds.run = lambda weight, *a, **k: run(weight * 1e6, *a, **k)
+
+
+@pytest.mark.slow
+def test_a_claimed_weight_counts_at_most_twice_the_median_under_the_mean(swarm_key):
+    """Under the plain mean, a poisoner claiming 10^6x the samples made the group's average its own pseudo-gradient.
+    Its weight now counts 2x the median claim: it moves the honest peers about as far as the same poison at 2x the
+    honest weight (share 2/5 against 1/4 at its own weight), not 4x as far."""
+    def run(kind):
+        dhts = honest_swarm(swarm_key, 4 if kind else 3)
+        try:
+            return train(dhts, target_group_size=len(dhts), classes=[kind] if kind else [], teacher=True)
+        finally:
+            for dht in dhts:
+                stop_dht(dht)
+
+    def distance(params):
+        return float(torch.linalg.vector_norm(torch.cat([p.flatten() for p in params[1]]) -
+                                              torch.cat([p.flatten() for p in reference[0]])))
+
+    PlausiblePoisoner.poison = "flip_x5"
+    reference, _ = run(None)
+    plain, _ = run(PlausiblePoisoner)
+    inflated, histories = run(WeightInflater)
+    for history in histories:
+        assert all(r.group_size == 4 and r.averaged for r in history), history
+    COSTS["with key: x-5 poison claiming 1e6x the samples, 1 of 4 (mean)"] = dict(
+        outcome="its weight capped at 2x the median", distance_from_honest_run=dict(
+            mean=distance(plain), mean_weight_1e6=distance(inflated)))
+    assert distance(inflated) < 2.0 * distance(plain), (distance(inflated), distance(plain))

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from p2ptrain.averaging.allreduce import _Reducer
-from p2ptrain.averaging.robust import CLIP_ITERATIONS, CLIP_RADIUS, WEIGHT_CAP, robust_aggregate
+from p2ptrain.averaging.robust import CLIP_ITERATIONS, CLIP_RADIUS, WEIGHT_CAP, robust_aggregate, weight_cap
 from p2ptrain.outer import group_average
 from p2ptrain.averaging.compression import get_compression
 
@@ -109,3 +109,24 @@ def test_the_simulation_aggregates_wire_part_by_wire_part():
     got = group_average([[p] for p in parts + [lie]], [1.0] * 4, codec, 16 * 4, "trim")[0]
     assert torch.equal(got[16:], robust_aggregate([p[16:] for p in parts + [lie]], [1.0] * 4, "trim"))
     assert float(got[:16].abs().max()) < 100
+
+
+def test_a_claimed_weight_counts_at_most_twice_the_median():
+    """Under every rule, the mean included: a member claiming 10^9 samples counts as 2x the median claim."""
+    assert weight_cap([24.0, 24.0, 24.0, 1e9]) == 2 * 24.0
+    assert weight_cap([0.0, 0.0]) == float("inf")
+    parts = honest(3, size=64)
+    lie = -5 * parts[0]
+
+    async def reduce(weights):
+        reducer = _Reducer([torch.Size([64])], num_senders=4)
+        reducer.aggregation, reducer.contributions, reducer.weight_cap = "mean", {}, weight_cap(weights)
+        answers = await asyncio.gather(*(reducer.accumulate_part(i, 0, part, w)
+                                         for i, (part, w) in enumerate(zip(parts + [lie], weights))))
+        return answers[0]
+
+    capped = asyncio.run(reduce([24.0, 24.0, 24.0, 1e9]))
+    assert torch.allclose(capped, (24 * (parts[0] + parts[1] + parts[2]) + 48 * lie) / (3 * 24 + 48), atol=1e-5)
+    codec = get_compression("none")
+    simulated = group_average([[p] for p in parts + [lie]], [24.0, 24.0, 24.0, 1e9], codec, 2 ** 19)[0]
+    assert torch.allclose(simulated, capped, atol=1e-5)
