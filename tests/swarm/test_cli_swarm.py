@@ -253,15 +253,24 @@ def test_ctrl_c_in_a_terminal_leaves_cleanly(tmp_path):
 
 @pytest.mark.slow  # over 10 s on 2 cores: `make test-slow` (CI runs it)
 def test_second_signal_forces_exit_without_orphans(tmp_path):
-    proc, log = lone_waiting_worker(tmp_path, "forced")
-    children = descendants(proc)
-    assert any(c.name() == "p2pd" for c in children)
-    proc.send_signal(signal.SIGTERM)
-    # the second signal must reach a worker that handled the first (it is leaving), not one still starting to
-    wait_for_log(log, "SIGTERM: finishing the current step and leaving cleanly", proc, timeout_s=30)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 130, log.read_text()
-    assert_all_gone(children)
+    for attempt in range(3):
+        proc, log = lone_waiting_worker(tmp_path, f"forced{attempt}")
+        children = descendants(proc)
+        assert any(c.name() == "p2pd" for c in children)
+        proc.send_signal(signal.SIGTERM)
+        # the second signal must reach a worker that handled the first (it is leaving), not one still starting to
+        wait_for_log(log, "SIGTERM: finishing the current step and leaving cleanly", proc, timeout_s=30)
+        if proc.poll() is not None:
+            # it finished leaving within the log poll's 0.3 s (seen in CI): there was nothing left to force, and
+            # Popen would not even send the signal. It must have left cleanly; try again with a fresh worker
+            assert proc.returncode == 0, log.read_text()
+            assert_all_gone(children)
+            continue
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 130, log.read_text()
+        assert_all_gone(children)
+        return
+    pytest.fail("the worker finished leaving before a second signal could reach it, 3 times in a row")
 
 
 @pytest.mark.slow  # over 15 s on 2 cores: `make test-slow` (CI runs it)
