@@ -385,8 +385,7 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, EvidenceMixi
                 )
                 scale = mine.get("norm_scale", 1.0) if isinstance(mine, dict) else 1.0
                 scale = float(scale) if isinstance(scale, (int, float)) and 1.0 <= scale < float("inf") else 1.0
-                claimed = [entry.get("weight", 1.0) if isinstance(entry, dict) else 1.0 for entry in gathered.values()]
-                cap = weight_cap(w for w in claimed if isinstance(w, (int, float)))  # robust.py
+                cap = weight_cap(_claimed_weights(group_info, gathered))  # a weight is the member's claim (robust.py)
                 result = await self._run_allreduce_inplace_(
                     local_tensors, group_info, peer_fractions=peer_fractions, norm_scale=scale, weight_cap=cap,
                     **kwargs
@@ -414,11 +413,7 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, EvidenceMixi
         """The sparse codec's round (``SparseGatherMixin._run_sparse_round``): the pseudo-gradient buffers get the
         group's average, or nothing if a member's message did not come or was refused (``IncompleteRoundError``,
         like a failed reducer: the host runs the round again with the survivors)."""
-        weights = []
-        for peer in group_info.peer_ids:  # every member reads the same gathered weights: the same contributors
-            weight = gathered.get(peer.to_base58(), {})
-            weight = weight.get("weight", 1.0) if isinstance(weight, dict) else 1.0
-            weights.append(float(weight) if isinstance(weight, (int, float)) and weight >= 0 else 0.0)
+        weights = _claimed_weights(group_info, gathered)  # every member reads the same: the same contributors
         cap = weight_cap(weights)  # a weight is the member's own claim (robust.py)
         weights = [min(weight, cap) for weight in weights]
         # no butterfly runner serves this group: marks it as running, so hivemind does not report it unfinished
@@ -493,6 +488,17 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, EvidenceMixi
             failed_fraction=container.failed_size / max(container.total_size, 1),
             phases=dict(runner.clock.seconds),
         )
+
+
+def _claimed_weights(group_info: GroupInfo, gathered: Dict[str, Any]) -> List[float]:
+    """Each member's gathered weight (its samples), in the group's order: 0 where it sent none that is a number at
+    least 0, 1 where it sent no metadata."""
+    weights = []
+    for peer in group_info.peer_ids:
+        weight = gathered.get(peer.to_base58(), {})
+        weight = weight.get("weight", 1.0) if isinstance(weight, dict) else 1.0
+        weights.append(float(weight) if isinstance(weight, (int, float)) and weight >= 0 else 0.0)
+    return weights
 
 
 def _joined_ids(peer_ids: Iterable[str], max_bytes: int) -> bytes:

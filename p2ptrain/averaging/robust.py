@@ -45,7 +45,7 @@ pseudo-gradients lie at similar distances from their median (many values, indepe
 them is clipped and the result is their mean"""
 CLIP_ITERATIONS = 3
 WEIGHT_CAP = 2.0
-"""a member's weight counts at most this x the median weight of the group (``clip``)"""
+"""a member's weight counts at most this x the median weight its group gathered (``weight_cap``; every rule)"""
 TRIM_SHARE = 0.25
 """``trim`` drops this share of the members (at least 1) at each end of every value"""
 

@@ -38,7 +38,8 @@ def test_every_hivemind_method_p2ptrain_overrides_is_listed():
     from hivemind.averaging.allreduce import AllReduceRunner
     from hivemind.averaging.partition import TensorPartReducer
 
-    from p2ptrain.averaging.allreduce import ExactAllReduceRunner, _Reducer
+    from p2ptrain.averaging.allreduce import ExactAllReduceRunner
+    from p2ptrain.averaging.reducer import Reducer as _Reducer
     from p2ptrain.averaging.averager import PseudoGradientAverager
 
     listed = {(p.owner.rsplit(".", 1)[1], p.name) for p in TOUCH_POINTS}

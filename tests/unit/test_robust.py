@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from p2ptrain.averaging.allreduce import _Reducer
+from p2ptrain.averaging.reducer import Reducer as _Reducer
 from p2ptrain.averaging.robust import CLIP_ITERATIONS, CLIP_RADIUS, WEIGHT_CAP, robust_aggregate, weight_cap
 from p2ptrain.outer import group_average
 from p2ptrain.averaging.compression import get_compression

@@ -1,0 +1,68 @@
+"""The reducer's side of one part of the butterfly: hivemind's ``TensorPartReducer`` with zeros for an all-zero-weight
+part, claimed weights capped, and robust aggregation (``robust.py``). ``ExactAllReduceRunner`` swaps its reducer's
+class for this one."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import torch
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+
+from p2ptrain.averaging.robust import robust_aggregate
+
+
+class Reducer(TensorPartReducer):
+    """hivemind's reducer, with two changes.
+
+    A part whose senders all weigh 0 averages to zeros, not to 0/0 = NaN. Peers send weight 0 with zeros when they
+    have nothing to add (a newcomer joining a round in progress, a peer whose local training diverged). Once the only
+    contributor to a range has failed, the rest of that range is theirs alone; every member then gets the same zeros,
+    and no honest reducer looks like a poisoner.
+
+    With an ``aggregation`` other than "mean" (``robust.py``) it keeps every sender's part of the current part instead
+    of a running sum, and answers their robust aggregate once all have come, in the senders' order in the group (the
+    same order whatever order they arrive in)."""
+
+    aggregation = "mean"
+    weight_cap = math.inf
+
+    def reset_accumulators(self):
+        self.contributions = {}  # sender index -> (part, weight) of the current part (robust aggregation)
+        super().reset_accumulators()
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                              weight: float = 1.0) -> torch.Tensor:
+        weight = min(weight, self.weight_cap)  # a sender's weight is its own claim: capped (robust.weight_cap)
+        if self.aggregation == "mean":
+            return await super().accumulate_part(sender_index, part_index, tensor_part, weight)
+        # hivemind's (1.1.12), keeping the part instead of adding it into the accumulator
+        assert 0 <= sender_index < self.num_senders, "invalid sender index"
+        assert 0 <= part_index < self.num_parts, "invalid part index"
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:
+            await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())},
+                               return_when=asyncio.FIRST_COMPLETED)
+            if self.finished.is_set():
+                raise AllreduceException(f"attempted to aggregate part in a finalized {self.__class__.__name__}")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        assert part_index == self.current_part_index
+        current_part_future = self.current_part_future
+        if part_index < self.sender_failed_after[sender_index]:
+            self.contributions[sender_index] = (tensor_part, weight)
+            self.current_part_accumulated_from += 1
+            self.check_current_part_finished()
+        return await current_part_future
+
+    def check_current_part_finished(self):
+        if self.aggregation != "mean" and self.current_part_accumulated_from == self.num_current_senders:
+            ordered = [self.contributions[i] for i in sorted(self.contributions)]
+            if ordered:
+                self.accumulator = robust_aggregate([part for part, _ in ordered], [w for _, w in ordered],
+                                                    self.aggregation)
+            self.denominator = 1.0
+        elif self.current_part_accumulated_from == self.num_current_senders and self.denominator == 0:
+            self.denominator = 1.0  # the accumulator holds zeros: 0 x each part
+        super().check_current_part_finished()
