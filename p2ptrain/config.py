@@ -142,6 +142,10 @@ class DiLoCoConfig:
     clipping: one insider moves the result by a bounded step, and an honest group gets its mean) or "trim" (the
     coordinate-wise trimmed mean, which also drops honest values); needs groups of 3 or more to do anything, and a
     butterfly codec (not sparse). Every peer of a run must agree (docs/ARCHITECTURE.md, "Robust aggregation")"""
+    audit_parts: int = setting(1, at_least=0)
+    """parts of other reducers' ranges this peer recomputes after each round from their inputs (audit: a reducer that
+    signed a wrong average is excluded, swarm-wide where the proof fits in the DHT); 0 turns audits off. Each costs
+    about group size x 512 KiB of download (docs/ARCHITECTURE.md, "Verifying reducers")"""
     sparse_k: int = setting(128, at_least=1, below=4097)
     """--compression sparse: values each peer sends of every chunk of 4096 (a 64x64 tile, or a run of the flattened
     tensor); 128: SparseLoCo's reference setting. Every peer of a run must agree"""

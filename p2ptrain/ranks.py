@@ -152,6 +152,7 @@ def _optimizer_factories(cfg: RunConfig, dht, publisher: Optional[ProgressPublis
         compression=diloco_cfg.compression,
         sparse_k=diloco_cfg.sparse_k,
         aggregation=diloco_cfg.aggregation,
+        audit_parts=diloco_cfg.audit_parts,
         sparse_decay=diloco_cfg.sparse_decay,
         matchmaking_time_s=diloco_cfg.matchmaking_time_s,
         late_peer_wait_s=diloco_cfg.late_peer_wait_s,

@@ -43,7 +43,8 @@ from hivemind.utils.asyncio import amap_in_executor, attach_event_on_finished
 
 from p2ptrain.hivemind_compat import own_input_part, own_input_part_shapes
 from p2ptrain.averaging.compression import WireCodec, WireFormatError
-from p2ptrain.averaging.evidence import AverageSigner
+from p2ptrain.averaging.audit import check_receipt, choose_audits, commitment, make_receipt
+from p2ptrain.averaging.evidence import AverageSigner, verified_receipt
 from p2ptrain.averaging.reducer import Reducer
 from p2ptrain.clock import PhaseClock
 from p2ptrain.faults import kill_this_peer
@@ -72,12 +73,16 @@ class ExactAllReduceRunner(AllReduceRunner):
                  weight_cap: float = math.inf,
                  signer: Optional[AverageSigner] = None,
                  on_bad_average: Optional[Callable[[PeerID, int, averaging_pb2.AveragingData, str], None]] = None,
+                 require_receipts: bool = False, audit_parts: int = 0,
                  **kwargs):
         super().__init__(**kwargs)
         self.tensor_part_reducer.__class__ = Reducer  # same state, its methods changed (reducer.py)
         self.tensor_part_reducer.aggregation = aggregation
         self.tensor_part_reducer.weight_cap = weight_cap  # robust.weight_cap of the group's gathered weights
         self.tensor_part_reducer.contributions = {}
+        self.tensor_part_reducer.current_included = []
+        self.tensor_part_reducer.included_by_part = {}
+        self._aggregation, self._weight_cap = aggregation, weight_cap
         # a part (or an average) whose L2 norm exceeds max_norm_ratio x our own values' norm over the same range is
         # refused: we are honest, and honest peers' pseudo-gradients over one range are alike in size
         self._max_norm_ratio = max_norm_ratio
@@ -86,6 +91,14 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._signer = signer
         self._on_bad_average = on_bad_average or (lambda reducer, part_index, message, reason: None)
         self._signatures: Dict[int, bytes] = {}
+        # audit.py. As a reducer (with a signer): each input's commitment and weight, and the input itself, kept for
+        # the group's auditors; as a sender: the commitment of each part we sent, to find in every answer's receipt
+        # (required with ``require_receipts``), and the answers of the parts we audit after the round
+        self._require_receipts = require_receipts
+        self._commitments: Dict[tuple, tuple] = {}  # (part index, sender index) -> (commitment, weight)
+        self.kept_inputs: Dict[tuple, bytes] = {}  # (part index, sender index) -> the serialized part
+        self._sent: Dict[tuple, bytes] = {}  # (reducer index, part index) -> our part's commitment
+        self.audit_targets: List[tuple] = []  # (reducer, part index, its answer)
         self._own_norms: Dict[tuple, float] = {}
         # ... or, for a range where our own values happen to be small (a bias of 2 values whose steps cancelled out),
         # than the ratio times what our whole vector holds per value over that many values: over a few values, two
@@ -115,6 +128,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.tensor_part_container.compression = _TimedEncoder(self._codec, self)  # our parts, as hivemind cuts them
         # shape of each part of each reducer's range: an average that comes back in another shape is a failure
         self._part_shapes_by_peer = own_input_part_shapes(self.tensor_part_container)
+        # the parts of other reducers' ranges we audit after the round, drawn now with our own secret randomness
+        self._audit_choice = choose_audits(self.tensor_part_container.num_parts_by_peer,
+                                           self.ordered_peer_ids.index(self.peer_id), audit_parts)
         # fault injection (p2ptrain.faults): SIGKILL this peer after answering that many averaged parts
         self._die_after_parts = die_after_parts
         self._parts_answered = 0
@@ -200,9 +216,45 @@ class ExactAllReduceRunner(AllReduceRunner):
         message = self._encode(averaged_part)
         if self._signer is not None:
             with self.clock("sign"):
-                self._signatures[part_index] = self._signer.sign(self.group_id, part_index,
+                # the receipt: what went into this average (every sender's commitment and weight), signed with it
+                included = set(self.tensor_part_reducer.included_by_part.get(part_index, ()))
+                entries = [self._commitments.get((part_index, i)) if i in included else None
+                           for i in range(self.tensor_part_reducer.num_senders)]
+                receipt = make_receipt(entries, self._weight_cap, self._aggregation)
+                self._signatures[part_index] = self._signer.sign(self.group_id, part_index, receipt,
                                                                  message.SerializeToString())
         return message
+
+    def _encode_own(self, tensor_part: torch.Tensor) -> tuple:
+        """Our own part as a reducer that signs receipts: its serialized message (kept for audits), commitment and
+        decoded values (what any other reducer would have received of it)."""
+        with self.clock("encode"):
+            message = self._codec.compress(tensor_part, CompressionInfo.from_tensor(tensor_part))
+            serialized = message.SerializeToString()
+        return serialized, commitment(serialized), self._decode(message)
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's, recording each part's commitment: the reducer's receipt must name it (audit.py)."""
+        loop, part_index = asyncio.get_event_loop(), 0
+        async for message in super()._generate_input_for_peer(peer_index):
+            self._sent[(peer_index, part_index)] = await loop.run_in_executor(
+                None, lambda: commitment(message.tensor_part.SerializeToString()))
+            part_index += 1
+            yield message
+
+    def _receipt_problem(self, reducer: PeerID, peer_index: int, part_index: int,
+                         message: averaging_pb2.AveragingData) -> str:
+        """Why an answer's signature or receipt is refused (empty if it is not, or if it has none and none is
+        required): the reducer must have signed it, and its receipt must hold our part as we sent it."""
+        if not message.peer_id:
+            return "an unsigned average (this swarm's reducers sign theirs)" if self._require_receipts else ""
+        receipt = verified_receipt(reducer, self.group_id, part_index, message.peer_id,
+                                   message.tensor_part.SerializeToString())
+        if receipt is None:
+            return "an average that it did not sign"
+        return check_receipt(receipt, senders=len(self.sender_peer_ids), me=self.sender_peer_ids.index(self.peer_id),
+                             sent=self._sent.get((peer_index, part_index), b""), weight=self.weight,
+                             weight_cap=self._weight_cap, aggregation=self._aggregation)
 
     def _get_peer_stub(self, peer: PeerID) -> StubBase:
         return _CountingStub(super()._get_peer_stub(peer), self)
@@ -232,7 +284,12 @@ class ExactAllReduceRunner(AllReduceRunner):
         sender_index = self.sender_peer_ids.index(peer_id)
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
             # our own contribution goes through the codec too, as it would to any other reducer
-            rounded_part = await loop.run_in_executor(None, self._roundtrip, tensor_part)
+            if self._signer is not None:  # and into our receipts, like any other sender's (audit.py)
+                serialized, committed, rounded_part = await loop.run_in_executor(None, self._encode_own, tensor_part)
+                self._commitments[(part_index, sender_index)] = (committed, self.weight)
+                self.kept_inputs[(part_index, sender_index)] = serialized
+            else:
+                rounded_part = await loop.run_in_executor(None, self._roundtrip, tensor_part)
             averaged_part = await self.tensor_part_reducer.accumulate_part(
                 sender_index, part_index, rounded_part, weight=self.weight
             )
@@ -289,10 +346,16 @@ class ExactAllReduceRunner(AllReduceRunner):
                                                          f"an average for part #{part_index}",
                                                          self._scale_part(peer_index, part_index))
                     if problem:
+                        self._on_bad_average(peer_id, part_index, msg, problem)  # evidence, if it is signed
+                    else:
+                        with self.clock("checks"):
+                            problem = self._receipt_problem(peer_id, peer_index, part_index, msg)
+                    if problem:
                         logger.warning(f"Reducer {peer_id} returned {problem}; not applying its range")
                         self._on_bad_peer(peer_id, f"as a reducer it returned {problem}")
-                        self._on_bad_average(peer_id, part_index, msg, problem)
                         raise AllreduceException(f"{peer_id} returned {problem}")
+                    if (peer_index, part_index) in self._audit_choice:
+                        self.audit_targets.append((peer_id, part_index, msg))
                     self.tensor_part_container.register_processed_part(peer_index, part_index, average)
                     part_index += 1
                     if part_index == expected:
@@ -319,14 +382,17 @@ class ExactAllReduceRunner(AllReduceRunner):
         sender = self.sender_peer_ids[sender_index]
 
         def _deserialize(msg: averaging_pb2.AveragingData):
+            # what our receipt names, and what we show the group's auditors (audit.py): only if we sign receipts
+            serialized = msg.tensor_part.SerializeToString() if self._signer is not None else b""
+            kept = (serialized, commitment(serialized)) if serialized else None
             try:
-                return self._decode(msg.tensor_part), msg.weight, msg.ByteSize(), ""
+                return self._decode(msg.tensor_part), msg.weight, msg.ByteSize(), "", kept
             except WireFormatError as e:  # a broken or hostile sender: reject it like any other bad part
-                return None, msg.weight, msg.ByteSize(), str(e)
+                return None, msg.weight, msg.ByteSize(), str(e), kept
 
         part_index = 0
         try:
-            async for tensor_part, weight, num_bytes, undecodable in amap_in_executor(
+            async for tensor_part, weight, num_bytes, undecodable, kept in amap_in_executor(
                 _deserialize, stream, max_prefetch=self.tensor_part_container.prefetch
             ):
                 self.bytes_received += num_bytes  # counted here, in the event loop, not in the executor thread
@@ -339,6 +405,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                     logger.warning(f"Rejected a tensor part from {sender}: {problem}; excluding it from this round")
                     self._on_bad_peer(sender, f"it sent a bad tensor part: {problem}")
                     raise AllreduceException(f"{sender} sent a bad tensor part: {problem}")
+                if kept is not None:
+                    self.kept_inputs[(part_index, sender_index)], committed = kept
+                    self._commitments[(part_index, sender_index)] = (committed, weight)
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight

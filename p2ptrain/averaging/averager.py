@@ -27,6 +27,7 @@ from hivemind.utils import get_logger
 from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
 from p2ptrain.averaging.allreduce import ExactAllReduceRunner
+from p2ptrain.averaging.audit import AUDIT_PARTS, AuditMixin
 from p2ptrain.averaging.compression import SPARSE, WireCodec, get_compression
 from p2ptrain.averaging.evidence import BAN_S, EvidenceMixin
 from p2ptrain.averaging.robust import check_aggregation, weight_cap
@@ -75,7 +76,7 @@ class IncompleteRoundError(AllreduceException):
     """A group formed but the round did not finish on every part (a member died or timed out mid-round)."""
 
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """What peers must agree on beyond the codec to average together; bumped when a round's meaning changes.
 2: digests of the global parameters are sha256 (they were blake2b). 3: join requests carry an admission token,
 records about a peer are signed, parts are checked against the reducer's own norm. 4: reducers stream averages to
@@ -85,7 +86,9 @@ the reducer holds the stream open until then (``ExactAllReduceRunner.rpc_aggrega
 side would wait for the other until a timeout. 7: mixing groups (p2ptrain/mixing.py): the matchmaking key carries
 the round's cell, the gathered data ``mixing``, a group of different digests averages stepped states, and a peer
 that leaves stores a leaving record (``PeerProgress.leaving``): with 6's peers the cells and the rounds differ.
-8: sparse messages Rice-code their places (``sparse.py``): 7's 12-bit places do not decode as 8's."""
+8: sparse messages Rice-code their places (``sparse.py``): 7's 12-bit places do not decode as 8's. 9: a reducer's
+signed answer carries its receipt (``audit.py``), which senders check and auditors recompute: 8's bare signature
+does not parse as 9's."""
 
 SERVE_SENDERS_TIMEOUT_S = 15.0
 """how long a reducer that has its own result waits for the other senders to take their last averages"""
@@ -95,7 +98,7 @@ MAX_PEER_LIST_BYTES = 4096
 
 
 
-class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, EvidenceMixin, DecentralizedAverager):
+class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, EvidenceMixin, AuditMixin, DecentralizedAverager):
     """Averages a fixed set of CPU tensors with the peers that are ready at the same time.
 
     Unlike its hivemind parent, the result is identical on every peer of a group (see ``ExactAllReduceRunner``),
@@ -109,7 +112,7 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, EvidenceMixi
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: DHT, *, compression: str,
                  max_norm_ratio: Optional[float] = 10.0, fragments: Optional[Sequence[Sequence[int]]] = None,
                  state_tensors: Sequence[torch.Tensor] = (), sparse_k: int = 128, aggregation: str = "mean",
-                 **kwargs):
+                 audit_parts: int = AUDIT_PARTS, **kwargs):
         check_hivemind()  # the internals below are hivemind 1.1.12's: refuse another hivemind in one line
         self.compression_name = compression
         # how a reducer combines its members' parts (robust.py): part of the schema, so a group agrees on it
@@ -159,6 +162,7 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, EvidenceMixi
         self._init_state_transfer()
         # our averages go out signed with the DHT's identity key (start_dht attaches it); evidence.py
         self._init_evidence(getattr(dht, "identity", None))
+        self._init_audit(audit_parts)  # parts of other reducers we recompute after each round (audit.py)
 
     @property
     def codec(self) -> WireCodec:
@@ -448,9 +452,15 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, EvidenceMixi
             aggregation=self.aggregation,
             signer=self.signer,
             on_bad_average=partial(self._report_bad_average, group_id),
+            # a private swarm's reducers all sign receipts (start_dht gives each an identity): one that does not
+            # could not be audited. Mixing groups (deviation_scale) average states in fp32: not audited
+            require_receipts=self.signer is not None and self.auth.private,
+            audit_parts=0 if self.signer is None or "deviation_scale" in kwargs else self.audit_parts,
             **kwargs,
         )
         register_runner(self, group_id, runner)
+        if self.signer is not None:
+            self._keep_for_audit(group_id, group_info.peer_ids, runner.kept_inputs)
         self._own_rms_last = runner._own_rms or self._own_rms_last  # the scale evidence is judged against
 
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
@@ -479,6 +489,7 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, EvidenceMixi
                 for tensor, averaged_tensor in zip(tensors, averaged):
                     tensor.copy_(averaged_tensor)
             self.last_updated = time.time()
+            self._start_audits(group_id, runner.audit_targets, runner._codec)
 
         container = runner.tensor_part_container
         return RoundResult(

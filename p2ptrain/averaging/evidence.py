@@ -16,9 +16,13 @@ What is proven, and what is judged:
   ``JUDGE_FACTOR`` x ``max_norm_ratio`` x the RMS of the verifier's own last contribution: 10x further than the
   sender's own check, so that an honest reducer of a group whose pseudo-gradients were larger than the verifier's
   is not excluded on its word. A verifier with no contribution yet (a newcomer) judges nothing but the proven kinds.
-- **Not caught this way**: a reducer that drops a member or scales its average by 1.5 (docs/ARCHITECTURE.md,
-  "Verifying reducers"); an accuser cannot frame an honest reducer (it cannot forge the signature, and an honest
-  average passes the judgement), but it can replay a real signed average of an earlier round, which passes too.
+- **Proven by an audit** (audit.py): the signature also covers the reducer's receipt (the commitments to its
+  inputs); an item that carries those inputs convicts the reducer if the aggregate recomputed from them is not the
+  average it signed (a member dropped, a part scaled by 1.5).
+
+An accuser cannot frame an honest reducer (it cannot forge the signature, inputs that do not hash to the receipt's
+commitments prove nothing, and an honest average passes the judgement), but it can replay a real signed average of
+an earlier round, which passes too.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import asyncio
 import hashlib
 import math
 import struct
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
@@ -37,18 +41,20 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time, get_logger
 
-from p2ptrain.averaging.compression import WireCodec, WireFormatError
+from p2ptrain.averaging.audit import verdict
+from p2ptrain.averaging.compression import WireCodec, WireFormatError, get_compression
 from p2ptrain.finite import all_finite
 from p2ptrain.proto import p2ptrain_pb2
 from p2ptrain.security import _RSA_PADDING, peer_id_of
 
-DOMAIN = b"p2ptrain-average"
+DOMAIN = b"p2ptrain-average-9"
 EVIDENCE_POLL_S = 5.0
 """how often an averager reads the evidence records (and always before it takes state)"""
 MAX_ITEMS = 4
 """signed averages an accuser keeps in its record (its most recent)"""
 MAX_AVERAGE_BYTES = 1 << 20
-"""a signed average larger than this is not stored as evidence (the DHT is not for megabytes); parts are 512 KiB"""
+"""a signed average (with an audit's inputs) larger than this is not stored as evidence (the DHT is not for
+megabytes); parts are 512 KiB"""
 JUDGE_FACTOR = 10.0
 BAN_S = 600.0
 """how long an evidence record lives (the averager's exclusions last as long)"""
@@ -60,8 +66,9 @@ def evidence_key(prefix: str) -> str:
     return f"{prefix}_evidence"
 
 
-def _signed_bytes(group_id: bytes, part_index: int, average: bytes) -> bytes:
-    return hashlib.sha256(DOMAIN + group_id + struct.pack(">I", part_index) + average).digest()
+def _signed_bytes(group_id: bytes, part_index: int, receipt: bytes, average: bytes) -> bytes:
+    return hashlib.sha256(DOMAIN + group_id + struct.pack(">I", part_index) + hashlib.sha256(receipt).digest()
+                          + average).digest()
 
 
 class AverageSigner:
@@ -71,41 +78,68 @@ class AverageSigner:
         self._key: rsa.RSAPrivateKey = identity._key
         self.public_der: bytes = identity._public_der
 
-    def sign(self, group_id: bytes, part_index: int, average: bytes) -> bytes:
-        """What an answer's ``peer_id`` field carries: the signature, the public key (DER), the key's length as 2
-        bytes (about 550 bytes with a 2048-bit key)."""
-        signature = self._key.sign(_signed_bytes(group_id, part_index, average), _RSA_PADDING, hashes.SHA256())
-        return signature + self.public_der + struct.pack(">H", len(self.public_der))
+    def sign(self, group_id: bytes, part_index: int, receipt: bytes, average: bytes) -> bytes:
+        """What an answer's ``peer_id`` field carries: a serialized ``AnswerSignature`` (the signature, the public
+        key, the receipt: about 560 bytes with a 2048-bit key, plus 49 per sender)."""
+        signature = self._key.sign(_signed_bytes(group_id, part_index, receipt, average), _RSA_PADDING,
+                                   hashes.SHA256())
+        return p2ptrain_pb2.AnswerSignature(signature=signature, public_key=self.public_der,
+                                            receipt=receipt).SerializeToString()
 
 
-def signed_average(reducer: PeerID, group_id: bytes, part_index: int, message, reason: str) -> Optional[bytes]:
-    """The serialized ``SignedAverage`` of a reducer's answer (a hivemind ``AveragingData`` whose ``peer_id`` field
-    carries ``AverageSigner.sign``'s bytes); None if it carries none, or is too large to keep."""
-    average, field = message.tensor_part.SerializeToString(), message.peer_id
-    if len(field) < 3 or len(average) > MAX_AVERAGE_BYTES:
-        return None
-    (key_len,) = struct.unpack(">H", field[-2:])
-    if key_len + 2 >= len(field):
-        return None
-    signature, public_der = field[:-2 - key_len], field[-2 - key_len:-2]
-    return p2ptrain_pb2.SignedAverage(reducer=reducer.to_bytes(), group_id=group_id, part_index=part_index,
-                                      average=average, signature=signature, public_key=public_der,
-                                      reason=reason[:200]).SerializeToString()
-
-
-def signed_by_reducer(item: p2ptrain_pb2.SignedAverage) -> bool:
-    """Whether the reducer the item names signed its average (its public key hashes to its peer id)."""
+def verified_receipt(reducer: PeerID, group_id: bytes, part_index: int, field: bytes,
+                     average: bytes) -> Optional[p2ptrain_pb2.Receipt]:
+    """The receipt of an answer (its ``peer_id`` field and serialized average) if ``reducer`` signed both; None if it
+    did not, or the answer carries no signature."""
     try:
-        if peer_id_of(item.public_key).to_bytes() != item.reducer:
+        signed = p2ptrain_pb2.AnswerSignature.FromString(field)
+        if not _verify(reducer.to_bytes(), signed.public_key, signed.signature,
+                       _signed_bytes(group_id, part_index, signed.receipt, average)):
+            return None
+        return p2ptrain_pb2.Receipt.FromString(signed.receipt)
+    except Exception:  # not an AnswerSignature, or a receipt that does not parse: unsigned
+        return None
+
+
+def signed_average(reducer: PeerID, group_id: bytes, part_index: int, message, reason: str,
+                   inputs: Sequence[bytes] = ()) -> Optional[bytes]:
+    """The serialized ``SignedAverage`` of a reducer's answer (a hivemind ``AveragingData`` whose ``peer_id`` field
+    carries ``AverageSigner.sign``'s bytes), with an audit's ``inputs``; None if it carries no signature, or is too
+    large to keep."""
+    average = message.tensor_part.SerializeToString()
+    if len(average) + sum(map(len, inputs)) > MAX_AVERAGE_BYTES:
+        return None
+    try:
+        signed = p2ptrain_pb2.AnswerSignature.FromString(message.peer_id)
+    except Exception:
+        return None
+    if not signed.signature:
+        return None
+    return p2ptrain_pb2.SignedAverage(reducer=reducer.to_bytes(), group_id=group_id, part_index=part_index,
+                                      average=average, signature=signed.signature, public_key=signed.public_key,
+                                      reason=reason[:200], receipt=signed.receipt,
+                                      inputs=list(inputs)).SerializeToString()
+
+
+def _verify(reducer: bytes, public_key: bytes, signature: bytes, signed: bytes) -> bool:
+    """Whether ``signature`` over ``signed`` is that of ``public_key``, and the key is the reducer's (it hashes to
+    its peer id)."""
+    try:
+        if peer_id_of(public_key).to_bytes() != reducer:
             return False
-        key = serialization.load_der_public_key(item.public_key)
+        key = serialization.load_der_public_key(public_key)
         if not isinstance(key, rsa.RSAPublicKey) or key.key_size > 8192:
             return False
-        key.verify(item.signature, _signed_bytes(item.group_id, item.part_index, item.average), _RSA_PADDING,
-                   hashes.SHA256())
+        key.verify(signature, signed, _RSA_PADDING, hashes.SHA256())
         return True
     except (InvalidSignature, ValueError, TypeError, UnsupportedAlgorithm):
         return False
+
+
+def signed_by_reducer(item: p2ptrain_pb2.SignedAverage) -> bool:
+    """Whether the reducer the item names signed its average and receipt (its public key hashes to its peer id)."""
+    return _verify(item.reducer, item.public_key, item.signature,
+                   _signed_bytes(item.group_id, item.part_index, item.receipt, item.average))
 
 
 def judge(item: p2ptrain_pb2.SignedAverage, codec: WireCodec, max_norm_ratio: Optional[float],
@@ -114,6 +148,15 @@ def judge(item: p2ptrain_pb2.SignedAverage, codec: WireCodec, max_norm_ratio: Op
     undecodable, non-finite, or (judged, with ``own_rms``) far too large."""
     if not signed_by_reducer(item):
         return ""
+    codec = _codec_of(item.average, codec)
+    if item.inputs:
+        try:
+            receipt = p2ptrain_pb2.Receipt.FromString(item.receipt)
+        except Exception:
+            return ""  # it signed bytes that are no receipt: nothing to recompute against
+        reason = verdict(receipt, list(item.inputs), item.average, codec)
+        if reason:
+            return reason
     try:
         values = codec.extract(runtime_pb2.Tensor.FromString(item.average))
     except (WireFormatError, Exception):  # any failure to parse a signed answer is the reducer's
@@ -129,6 +172,19 @@ def judge(item: p2ptrain_pb2.SignedAverage, codec: WireCodec, max_norm_ratio: Op
     return ""
 
 
+def _codec_of(average: bytes, codec: WireCodec) -> WireCodec:
+    """The codec to judge a signed average with: the run's, or fp32's for a mixing group's average (mixed rounds
+    send their stepped states uncompressed: an fp32 average there does not convict its reducer of not decoding)."""
+    exact = get_compression("none")
+    try:
+        message = runtime_pb2.Tensor.FromString(average)
+        if (message.compression, message.dtype) == (exact.compression_type, exact.dtype_tag):
+            return exact
+    except Exception:
+        pass
+    return codec
+
+
 class EvidenceMixin:
     """The averager's side (averager process): store what we caught, read and judge what others caught."""
 
@@ -139,8 +195,9 @@ class EvidenceMixin:
         self._evidence_task = None
         self._own_rms_last: Optional[float] = None  # RMS of our last contribution to a round: the judge's scale
 
-    def _report_bad_average(self, group_id: bytes, reducer: PeerID, part_index: int, message, reason: str) -> None:
-        item = signed_average(reducer, group_id, part_index, message, reason)
+    def _report_bad_average(self, group_id: bytes, reducer: PeerID, part_index: int, message, reason: str,
+                            inputs: Sequence[bytes] = ()) -> None:
+        item = signed_average(reducer, group_id, part_index, message, reason, inputs)
         if item is None:
             return  # unsigned: nothing another peer could check
         self._evidence_items = [*self._evidence_items, item][-MAX_ITEMS:]

@@ -23,21 +23,25 @@ class Reducer(TensorPartReducer):
 
     With an ``aggregation`` other than "mean" (``robust.py``) it keeps every sender's part of the current part instead
     of a running sum, and answers their robust aggregate once all have come, in the senders' order in the group (the
-    same order whatever order they arrive in)."""
+    same order whatever order they arrive in).
+
+    It records which senders' parts went into each part's average (``included_by_part``), for the receipt the
+    runner signs with it (audit.py)."""
 
     aggregation = "mean"
     weight_cap = math.inf
 
     def reset_accumulators(self):
         self.contributions = {}  # sender index -> (part, weight) of the current part (robust aggregation)
+        self.current_included = []  # senders whose part is in the current part's average, as they came
+        self.__dict__.setdefault("included_by_part", {})  # part index -> those senders, in group order
         super().reset_accumulators()
 
     async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
                               weight: float = 1.0) -> torch.Tensor:
+        """hivemind's (1.1.12), with the weight capped, the part kept instead of added for a robust aggregation,
+        and the senders counted into each part recorded (``included_by_part``: the reducer's receipts, audit.py)."""
         weight = min(weight, self.weight_cap)  # a sender's weight is its own claim: capped (robust.weight_cap)
-        if self.aggregation == "mean":
-            return await super().accumulate_part(sender_index, part_index, tensor_part, weight)
-        # hivemind's (1.1.12), keeping the part instead of adding it into the accumulator
         assert 0 <= sender_index < self.num_senders, "invalid sender index"
         assert 0 <= part_index < self.num_parts, "invalid part index"
         self.num_parts_received[sender_index] += 1
@@ -51,12 +55,19 @@ class Reducer(TensorPartReducer):
         assert part_index == self.current_part_index
         current_part_future = self.current_part_future
         if part_index < self.sender_failed_after[sender_index]:
-            self.contributions[sender_index] = (tensor_part, weight)
+            if self.aggregation == "mean":
+                self.accumulator.add_(tensor_part, alpha=weight)
+                self.denominator += weight
+            else:
+                self.contributions[sender_index] = (tensor_part, weight)
+            self.current_included.append(sender_index)
             self.current_part_accumulated_from += 1
             self.check_current_part_finished()
         return await current_part_future
 
     def check_current_part_finished(self):
+        if self.current_part_accumulated_from == self.num_current_senders:
+            self.included_by_part[self.current_part_index] = sorted(self.current_included)
         if self.aggregation != "mean" and self.current_part_accumulated_from == self.num_current_senders:
             ordered = [self.contributions[i] for i in sorted(self.contributions)]
             if ordered:

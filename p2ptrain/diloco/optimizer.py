@@ -15,6 +15,7 @@ from hivemind import DHT
 
 from p2ptrain.averaging import PseudoGradientAverager
 from p2ptrain.averaging.averager import PROTOCOL_VERSION
+from p2ptrain.averaging.audit import AUDIT_PARTS
 from p2ptrain.averaging.compression import COMPRESSION_CHOICES, ERROR_FEEDBACK_BY_DEFAULT, SPARSE
 from p2ptrain.averaging.sparse import DEFAULT_DECAY, DEFAULT_K
 from p2ptrain.diloco.membership import Membership
@@ -44,6 +45,8 @@ class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torc
       "int8" (1 byte per value plus an fp32 scale per 1024 values); see ``p2ptrain/averaging/compression.py``
     :param aggregation: how each reducer combines its group's parts: "mean" (weighted by samples), "clip" (centered
       clipping) or "trim" (coordinate-wise trimmed mean); see ``p2ptrain/averaging/robust.py``. Not with "sparse"
+    :param audit_parts: parts of other reducers' ranges to recompute from their inputs after each round (0: none);
+      see ``p2ptrain/averaging/audit.py``
     :param error_feedback: keep what the wire rounded off this peer's pseudo-gradient (fp32, CPU, one copy of the
       parameters) and add it to the next one, so that nothing is lost for good. None (default): on for "int8" only.
       The residual is dropped when the peer takes the swarm's state or its round is not averaged, and it is in
@@ -136,6 +139,7 @@ class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torc
         sparse_k: int = DEFAULT_K,
         sparse_decay: float = DEFAULT_DECAY,
         aggregation: str = "mean",
+        audit_parts: int = AUDIT_PARTS,
     ):
         _check_arguments(local_steps=local_steps, no_group_policy=no_group_policy,
                          matchmaking_time_s=matchmaking_time_s, averaging_timeout_s=averaging_timeout_s,
@@ -213,6 +217,7 @@ class DiLoCoOptimizer(BlockingSyncMixin, StreamingMixin, StateSharingMixin, torc
             max_norm_ratio=max_norm_ratio,
             sparse_k=sparse_k,
             aggregation=aggregation,
+            audit_parts=audit_parts,
             fragments=self.plan.tensors,
             # mixing groups: this peer's stepped global parameters and outer momenta (sync._fill_stepped_state)
             state_tensors=[torch.zeros_like(g) for _ in range(2) for g in self.global_params] if self.mixing else (),

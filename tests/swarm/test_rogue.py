@@ -32,6 +32,7 @@ from hivemind.utils import get_dht_time
 from p2ptrain import DiLoCoOptimizer
 from p2ptrain.averaging.allreduce import ExactAllReduceRunner
 from p2ptrain.averaging.averager import PseudoGradientAverager as P2PTrainAverager
+from p2ptrain.averaging.reducer import Reducer
 from p2ptrain.proto import p2ptrain_pb2
 from p2ptrain.security import PeerSignatureValidator, SwarmAuth, SwarmKeyValidator, generate_swarm_key, load_identity
 from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht
@@ -477,6 +478,123 @@ def test_a_caught_reducer_costs_no_round_and_its_records_stop_counting(swarm_key
                     "ahead", histories,
                     run_alone(swarm_key, 3, make_deeper_model),
                     "range refused, round re-run without it, its records ignored")
+
+
+class ShadyReducer(ExactAllReduceRunner):
+    """A key holder's runner whose averages look right: within every norm check, signed, with a receipt that lists
+    every sender as it sent. It scales them by 1.5 ("x1.5"), or leaves the first other sender's part out of them
+    ("drop": weighed 0, still listed)."""
+
+    lie = "x1.5"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        if self.lie == "drop":
+            me = self.sender_peer_ids.index(self.peer_id)
+            self.tensor_part_reducer.__class__ = _Dropping
+            self.tensor_part_reducer.victim = next(i for i in range(len(self.sender_peer_ids)) if i != me)
+
+    async def _serialize_average(self, part_index: int, averaged_part: torch.Tensor):
+        return await super()._serialize_average(part_index, averaged_part * (1.5 if self.lie == "x1.5" else 1.0))
+
+
+class _Dropping(Reducer):
+    victim = 0
+
+    async def accumulate_part(self, sender_index, part_index, tensor_part, weight=1.0):
+        return await super().accumulate_part(sender_index, part_index, tensor_part,
+                                             0.0 if sender_index == self.victim else weight)
+
+
+class AuditedRogue(P2PTrainAverager):
+    runner_type = ShadyReducer
+
+
+AuditedRogue.__name__ = SERVICER
+
+
+class Auditor(DiLoCoOptimizer):
+    """An honest peer that audits every part of the other reducers' ranges (the tests' way to make a catch certain;
+    the default audits one part a round)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs, audit_parts=1000)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lie", ["x1.5", "drop"])
+def test_a_reducer_whose_average_is_wrong_is_caught_by_an_audit_and_excluded_swarm_wide(swarm_key, tmp_path, capfd,
+                                                                                         logs_to_stderr, lie):
+    """A key holder in the first round's group answers, for its range, averages that pass every check of the round
+    (signed, plausible in size, with a receipt naming every sender's part as sent) but are wrong: x1.5, or without
+    one member's part. The honest peers audit its parts after the round, recompute them from the inputs it signed
+    for, exclude it, and average every later round without it. Their proof (the signed average, receipt and inputs)
+    convicts it on a newcomer that never met it, before that newcomer looks for state."""
+    dhts = honest_swarm(swarm_key)
+    rogue_dht, _ = start_rogue(swarm_key, dhts, str(tmp_path / "rogue.key"))
+    rogue_dht.auth = SwarmAuth.from_key(bytes.fromhex(swarm_key.read_text()))
+    me = rogue_dht.peer_id.to_base58()
+    stop, rogues, threads = threading.Event(), [], []
+
+    def attack(opts):
+        rogue = AuditedRogue([torch.zeros_like(p) for p in make_deeper_model().parameters()], rogue_dht,
+                             prefix=PREFIX, compression="fp16", target_group_size=3, min_matchmaking_time=2.0,
+                             request_timeout=1.0, allreduce_timeout=5.0, next_chunk_timeout=2.5)
+        rogues.append(rogue)
+        rogue.start_in_background(30.0)
+        threads.append(threading.Thread(target=rounds, args=(rogue,), daemon=True))
+        threads[0].start()
+        time.sleep(1.0)  # the rogue looks for a group before the honest peers' first round
+
+    def rounds(rogue):
+        while not stop.is_set():
+            rogue.set_group_bits(format(0, "08b"))
+            rogue.set_round_plan(3, 25.0)
+            try:
+                rogue.step(gather={"outer_step": 0, "samples": 8, "digest": "x"}, weight=1.0, timeout=35.0)
+            except Exception:
+                pass
+
+    ShadyReducer.lie = lie  # read in the rogue's averager process, forked below
+    newcomer_bans = []
+    try:
+        params, histories = train(dhts, before_rounds=attack, target_group_size=3, model=make_deeper_model,
+                                  classes=(Auditor, Auditor))
+        newcomer_dht = start_dht(SwarmConfig(host_maddrs=[LOOPBACK], swarm_key_file=str(swarm_key),
+                                             initial_peers=[str(m) for m in dhts[0].get_visible_maddrs()]))
+        dhts.append(newcomer_dht)
+        newcomer = P2PTrainAverager([torch.zeros_like(p) for p in make_deeper_model().parameters()], newcomer_dht,
+                                    prefix=PREFIX, compression="fp16", request_timeout=1.0)
+        newcomer.start_in_background(30.0)
+        try:
+            newcomer.download_state(timeout_s=5.0)
+            newcomer_bans.extend(newcomer.banned_peers)
+        finally:
+            newcomer.shutdown()
+    finally:
+        ShadyReducer.lie = "x1.5"
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=15)
+        for rogue in rogues:
+            rogue.shutdown()
+        rogue_dht.shutdown()
+        for dht in dhts:
+            stop_dht(dht)
+    logs = capfd.readouterr().err
+    caught = f"excluding peer {me} from this run for 600s: audited, part #"
+    assert caught in logs and "it signed an average at distance" in logs, logs[-3000:]
+    assert "as a reducer it returned" not in logs, "the lie was plausible: no check of the round refused it"
+    sizes = [[r.group_size for r in h if r.averaged] for h in histories]
+    # in the first round; the audit runs beside the next round's matchmaking, so a second round may still hold it
+    assert all(s[0] == 3 and s[-1] == 2 for s in sizes), sizes
+    for history in histories:
+        assert [r.outer_step for r in history if r.averaged] == list(range(1, OUTER_STEPS + 1)), history
+        assert not any(r.caught_up for r in history), history
+    accusers = {dht.peer_id.to_base58() for dht in dhts[:2]}
+    assert newcomer_bans == [me], newcomer_bans
+    assert any(f"excluding peer {me} from this run for 600s: peer {accuser} holds its signed average" in logs
+               for accuser in accusers), logs[-3000:]
 
 
 def test_a_peer_with_another_model_or_settings_is_refused_at_join():

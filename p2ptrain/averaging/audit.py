@@ -1,0 +1,227 @@
+"""Auditing reducers: a plausible but wrong average (a member left out, a part scaled by 1.5) is caught.
+
+Three pieces (protocol 9), after BTARD (Gorbunov et al. 2021):
+
+1. **Receipts.** A reducer's signed answer for a part (evidence.py) also signs a ``Receipt``: each sender's
+   commitment (the SHA-256 of the serialized part it sent, empty if that part is not in the average), the weight it
+   sent, the weight cap and the aggregation applied. Every sender checks its own entry in every answer
+   (``check_receipt``): a reducer that leaves a member out, or swaps its part or its weight, is caught by that
+   member at once, on every part, and its range is refused like any other bad average.
+2. **Audits.** Before a round, each member picks ``audit_parts`` parts of other reducers' ranges with its own
+   secret randomness (the reducer cannot know which). After the round it asks their reducers for the senders'
+   inputs (``rpc_audit_input``), checks each against the signed commitment, recomputes the aggregate and compares
+   it with the signed average (``verdict``). A mismatch is a proof: the reducer signed both the commitments and the
+   average, and anyone can redo the arithmetic. The reducer keeps its inputs (one wire-format copy of the vector over
+   its range x group size, that is one copy of the whole vector) for ``AUDIT_KEEP_S``.
+3. **Evidence.** The proof goes into the auditor's evidence record (evidence.py) when it is small enough for the
+   DHT (``MAX_PROOF_BYTES``), so the reducer is excluded swarm-wide; larger proofs exclude it on the auditor only.
+
+A reducer that cheats on a share q of its parts, in a group of n equal ranges where each of the n - 1 others audits
+one part, is caught in a round with probability 1 - (1 - q / (n - 1)) ** (n - 1) (all its parts: 1 for n = 2, 0.75
+for n = 3, 0.70 for n = 4, towards 1 - 1/e = 0.63). The audited round stays applied: the exclusion protects the next
+ones. Limits: ARCHITECTURE.md, "Verifying reducers".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import random
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import get_logger
+
+from p2ptrain.averaging.compression import WireCodec
+from p2ptrain.averaging.robust import AGGREGATIONS, robust_aggregate
+from p2ptrain.hivemind_compat import p2p_of
+from p2ptrain.finite import all_finite
+from p2ptrain.proto import p2ptrain_pb2
+
+logger = get_logger(__name__)
+
+AUDIT_PARTS = 1
+"""parts of other reducers' ranges each member audits per round (0: none)"""
+AUDIT_TOLERANCE = 0.01
+"""an audited average may differ from the recomputed one by this share of its norm: the reducer adds its senders'
+parts in the order they arrive, the auditor in group order, and the float32 sums differ in their last bits, which
+rounding to the wire format can turn into one fp16 step"""
+ABSOLUTE_SLACK = 1e-6
+"""... plus this much per value's square root (an all-zero average)"""
+AUDIT_KEEP_S = 120.0
+"""how long a reducer keeps a round's inputs for its auditors"""
+KEPT_ROUNDS = 2
+"""rounds whose inputs a reducer keeps at most (the memory: that many copies of the vector in wire format)"""
+AUDIT_TIMEOUT_S = 30.0
+"""how long an auditor waits for one input"""
+MAX_PROOF_BYTES = 256 * 1024
+"""an audit's proof (the inputs and the average) larger than this is not stored in the DHT: the exclusion stays
+this peer's own"""
+
+
+def commitment(serialized: bytes) -> bytes:
+    """What a receipt holds for a sender's part: the SHA-256 of the serialized ``runtime_pb2.Tensor``."""
+    return hashlib.sha256(serialized).digest()
+
+
+def make_receipt(entries: Sequence[Optional[Tuple[bytes, float]]], weight_cap: float, aggregation: str) -> bytes:
+    """The serialized ``Receipt`` of one part: ``entries[i]`` is sender i's (commitment, weight), None if its part is
+    not in the average."""
+    return p2ptrain_pb2.Receipt(commitments=[e[0] if e else b"" for e in entries],
+                                weights=[e[1] if e else 0.0 for e in entries], weight_cap=weight_cap,
+                                aggregation=aggregation).SerializeToString()
+
+
+def check_receipt(receipt: p2ptrain_pb2.Receipt, *, senders: int, me: int, sent: bytes, weight: float,
+                  weight_cap: float, aggregation: str) -> str:
+    """Why a sender refuses an answer whose receipt is ``receipt`` (empty if it does not): it must list the group's
+    senders, this one's part (``sent``: its commitment) with the weight it sent, and the group's cap and
+    aggregation. An honest reducer that left this sender out never answers it (its stream of averages ends)."""
+    if len(receipt.commitments) != senders or len(receipt.weights) != senders:
+        return f"a receipt for {len(receipt.commitments)} senders, not {senders}"
+    if receipt.commitments[me] != sent:
+        if not receipt.commitments[me]:
+            return "an average that leaves this peer's part out"
+        return "an average of a part that is not the one this peer sent"
+    if receipt.weights[me] != weight:
+        return f"an average that weighs this peer's part {receipt.weights[me]!r}, not {weight!r}"
+    if receipt.weight_cap != weight_cap or receipt.aggregation != aggregation:
+        return (f"an average with weight cap {receipt.weight_cap!r} and aggregation {receipt.aggregation!r}, not the "
+                f"group's {weight_cap!r} and {aggregation!r}")
+    return ""
+
+
+def verdict(receipt: p2ptrain_pb2.Receipt, inputs: Sequence[bytes], average: bytes, codec: WireCodec) -> str:
+    """Why a signed average convicts its reducer, given the inputs its receipt commits to (empty if it does not, or
+    if the inputs are not those of the receipt: then the accuser's proof is broken, not the reducer)."""
+    n = len(receipt.commitments)
+    if len(receipt.weights) != n or len(inputs) != n or n == 0 or receipt.aggregation not in AGGREGATIONS:
+        return ""
+    for committed, given in zip(receipt.commitments, inputs):
+        if (committed or given) and commitment(given) != committed:
+            return ""
+    try:
+        averaged = codec.extract(runtime_pb2.Tensor.FromString(average))
+    except Exception:  # any failure to parse a signed answer is the reducer's
+        return "it signed an average that does not decode"
+    parts, weights = [], []
+    for given, weight in zip(inputs, receipt.weights):
+        if not given:
+            continue
+        try:
+            part = codec.extract(runtime_pb2.Tensor.FromString(given))
+        except Exception:
+            return "it signed for an input that does not decode (an honest reducer refuses it)"
+        if part.shape != averaged.shape or not all_finite(part):
+            return "it signed for an input of another shape or with NaN/inf values (an honest reducer refuses it)"
+        if not (math.isfinite(weight) and weight >= 0):
+            return f"it signed for an input of weight {weight!r} (an honest reducer refuses it)"
+        parts.append(part)
+        weights.append(min(weight, receipt.weight_cap))
+    if not parts:
+        expected = torch.zeros_like(averaged)  # every sender left: nothing to average (the reducer sends none)
+    else:
+        expected = codec.roundtrip(robust_aggregate(parts, weights, receipt.aggregation))
+    distance = float(torch.linalg.vector_norm(averaged.float() - expected.float()))
+    norm = float(torch.linalg.vector_norm(expected.float()))
+    if not math.isfinite(distance) or distance > AUDIT_TOLERANCE * norm + ABSOLUTE_SLACK * math.sqrt(expected.numel()):
+        return (f"it signed an average at distance {distance:.4g} from the {receipt.aggregation} of the "
+                f"{len(parts)} inputs it signed for (norm {norm:.4g})")
+    return ""
+
+
+def choose_audits(parts_by_reducer: Sequence[int], me: int, audit_parts: int) -> set:
+    """(reducer index, part index) pairs to audit: ``audit_parts`` of the other reducers' parts, at random, with
+    randomness no other peer can predict."""
+    candidates = [(peer, part) for peer, count in enumerate(parts_by_reducer) if peer != me for part in range(count)]
+    return set(random.SystemRandom().sample(candidates, min(audit_parts, len(candidates))))
+
+
+@dataclass
+class _Kept:
+    members: frozenset
+    inputs: Dict[Tuple[int, int], bytes]  # (part index, sender index) -> serialized part
+    until: float
+
+
+class AuditMixin:
+    """The averager's side (averager process): keep our inputs as a reducer, serve them to the group's auditors, and
+    audit other reducers after our rounds."""
+
+    def _init_audit(self, audit_parts: int) -> None:
+        if audit_parts < 0:
+            raise ValueError(f"audit_parts must be 0 or more, got {audit_parts}")
+        self.audit_parts = audit_parts
+        self._kept: "OrderedDict[bytes, _Kept]" = OrderedDict()
+        self._audit_tasks: set = set()
+        self.audits = {"parts": 0, "bytes": 0, "caught": 0}  # averager process (logged; the tests read the logs)
+
+    def _keep_for_audit(self, group_id: bytes, members: Sequence[PeerID], inputs: Dict[Tuple[int, int], bytes]):
+        """Keep a round's inputs (filled while it runs) for ``AUDIT_KEEP_S``, the last ``KEPT_ROUNDS`` rounds."""
+        now = time.monotonic()
+        for old in [g for g, kept in self._kept.items() if kept.until < now]:
+            del self._kept[old]
+        self._kept[group_id] = _Kept(frozenset(members), inputs, now + AUDIT_KEEP_S)
+        while len(self._kept) > KEPT_ROUNDS:
+            self._kept.popitem(last=False)
+
+    async def rpc_audit_input(self, request: p2ptrain_pb2.AuditRequest,
+                              context: P2PContext) -> p2ptrain_pb2.AuditInput:
+        kept = self._kept.get(request.group_id)
+        if kept is None or kept.until < time.monotonic() or context.remote_id not in kept.members:
+            return p2ptrain_pb2.AuditInput(available=False)
+        part = kept.inputs.get((request.part_index, request.sender_index))
+        return p2ptrain_pb2.AuditInput(available=part is not None, tensor_part=part or b"")
+
+    def _start_audits(self, group_id: bytes, targets: List[Tuple[PeerID, int, averaging_pb2.AveragingData]],
+                      codec: WireCodec) -> None:
+        for reducer, part_index, answer in targets:
+            task = asyncio.create_task(self._audit(group_id, reducer, part_index, answer, codec))
+            self._audit_tasks.add(task)
+            task.add_done_callback(self._audit_tasks.discard)
+
+    async def _audit(self, group_id: bytes, reducer: PeerID, part_index: int, answer: averaging_pb2.AveragingData,
+                     codec: WireCodec) -> None:
+        """Fetch the inputs of one part from its reducer, recompute, and exclude the reducer if they disagree."""
+        try:
+            receipt = p2ptrain_pb2.Receipt.FromString(
+                p2ptrain_pb2.AnswerSignature.FromString(answer.peer_id).receipt)
+        except Exception:
+            return  # checked when it came (check_receipt): an unsigned answer of a run without a key
+        inputs, fetched = [], 0
+        stub = self.get_stub(p2p_of(self), reducer, namespace=self.prefix)
+        for sender_index, committed in enumerate(receipt.commitments):
+            if not committed:
+                inputs.append(b"")
+                continue
+            request = p2ptrain_pb2.AuditRequest(group_id=group_id, part_index=part_index, sender_index=sender_index)
+            try:
+                reply = await asyncio.wait_for(stub.rpc_audit_input(request), AUDIT_TIMEOUT_S)
+            except Exception as e:  # gone, or refusing: nothing to prove, and nothing to hold against it either
+                logger.info(f"could not audit part #{part_index} of reducer {reducer}: {e!r}")
+                return
+            fetched += len(reply.tensor_part)
+            if not reply.available or commitment(reply.tensor_part) != committed:
+                self.ban(reducer, f"it did not show the input of sender #{sender_index} to part #{part_index} it "
+                                  "signed for when audited")
+                return
+            inputs.append(reply.tensor_part)
+        loop = asyncio.get_event_loop()
+        reason = await loop.run_in_executor(None, verdict, receipt, inputs, answer.tensor_part.SerializeToString(),
+                                            codec)
+        self.audits["parts"] += 1
+        self.audits["bytes"] += fetched
+        logger.debug(f"audited part #{part_index} of reducer {reducer}: {fetched} bytes, "
+                     f"{'caught: ' + reason if reason else 'as signed'}")
+        if reason:
+            self.audits["caught"] += 1
+            self.ban(reducer, f"audited, part #{part_index} of a group: {reason}")
+            proof = inputs if fetched + answer.tensor_part.ByteSize() <= MAX_PROOF_BYTES else None
+            if proof is not None:
+                self._report_bad_average(group_id, reducer, part_index, answer, f"audit: {reason}", inputs=proof)

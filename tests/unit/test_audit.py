@@ -1,0 +1,186 @@
+"""Receipts and audits of reducers (averaging/audit.py): what a sender refuses, what an audit convicts, and that an
+accuser cannot frame an honest reducer."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric import rsa
+from hivemind.compression import CompressionInfo
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+
+from p2ptrain.averaging.audit import (AUDIT_TOLERANCE, check_receipt, choose_audits, commitment, make_receipt,
+                                      verdict)
+from p2ptrain.averaging.compression import get_compression
+from p2ptrain.averaging.evidence import AverageSigner, judge, signed_average, verified_receipt
+from p2ptrain.averaging.reducer import Reducer
+from p2ptrain.averaging.robust import weight_cap
+from p2ptrain.proto import p2ptrain_pb2
+from p2ptrain.security import PeerSignatureValidator, peer_id_of
+
+GROUP = b"g" * 32
+CODEC = get_compression("fp16")
+
+
+@pytest.fixture(scope="module")
+def signer():
+    return AverageSigner(PeerSignatureValidator(rsa.generate_private_key(public_exponent=65537, key_size=2048)))
+
+
+def _peer_of(signer) -> PeerID:
+    return peer_id_of(signer.public_der)
+
+
+def honest_inputs(n: int = 4, size: int = 512, seed: int = 0):
+    """n senders' serialized fp16 parts (one direction plus noise), their decoded values and commitments."""
+    gen = torch.Generator().manual_seed(seed)
+    signal = torch.randn(size, generator=gen)
+    messages = [CODEC.compress(t, CompressionInfo.from_tensor(t))
+                for t in (signal + 0.5 * torch.randn(size, generator=gen) for _ in range(n))]
+    serialized = [m.SerializeToString() for m in messages]
+    return serialized, [CODEC.extract(m) for m in messages], [commitment(s) for s in serialized]
+
+
+def reduce(values, weights, aggregation: str, order, cap: float = float("inf")) -> torch.Tensor:
+    """What p2ptrain's reducer answers when the senders' parts arrive in ``order``."""
+    async def run():
+        reducer = Reducer([values[0].shape], num_senders=len(values))
+        reducer.aggregation, reducer.contributions, reducer.weight_cap = aggregation, {}, cap
+        answers = await asyncio.gather(*(reducer.accumulate_part(i, 0, values[i], weights[i]) for i in order))
+        assert reducer.included_by_part[0] == sorted(order)
+        return answers[0]
+    return asyncio.run(run())
+
+
+def answer_of(average: torch.Tensor) -> bytes:
+    return CODEC.compress(average, CompressionInfo.from_tensor(average)).SerializeToString()
+
+
+def receipt_of(commitments, weights, cap=float("inf"), aggregation="mean", left_out=()):
+    entries = [None if i in left_out else (c, w) for i, (c, w) in enumerate(zip(commitments, weights))]
+    return p2ptrain_pb2.Receipt.FromString(make_receipt(entries, cap, aggregation))
+
+
+def test_a_sender_refuses_a_receipt_that_leaves_out_or_alters_its_part():
+    _, _, commitments = honest_inputs()
+    weights = [8.0, 8.0, 16.0, 8.0]
+    ok = dict(senders=4, me=2, sent=commitments[2], weight=16.0, weight_cap=float("inf"), aggregation="mean")
+    assert check_receipt(receipt_of(commitments, weights), **ok) == ""
+    assert "leaves this peer's part out" in check_receipt(receipt_of(commitments, weights, left_out=(2,)), **ok)
+    # another member left out is not this sender's to judge: its part may have failed honestly
+    assert check_receipt(receipt_of(commitments, weights, left_out=(0,)), **ok) == ""
+    swapped = list(commitments)
+    swapped[2] = commitment(b"another part")
+    assert "not the one this peer sent" in check_receipt(receipt_of(swapped, weights), **ok)
+    assert "weighs this peer's part 1.0" in check_receipt(receipt_of(commitments, [8.0, 8.0, 1.0, 8.0]), **ok)
+    assert "weight cap" in check_receipt(receipt_of(commitments, weights, cap=16.0), **ok)
+    assert "aggregation" in check_receipt(receipt_of(commitments, weights, aggregation="trim"), **ok)
+    assert "for 4 senders, not 5" in check_receipt(receipt_of(commitments, weights), **dict(ok, senders=5))
+
+
+def test_the_signature_binds_the_receipt_and_the_average(signer):
+    serialized, values, commitments = honest_inputs()
+    average = answer_of(reduce(values, [1.0] * 4, "mean", range(4)))
+    receipt = make_receipt([(c, 1.0) for c in commitments], float("inf"), "mean")
+    field = signer.sign(GROUP, 3, receipt, average)
+    reducer = _peer_of(signer)
+    assert verified_receipt(reducer, GROUP, 3, field, average).commitments == commitments
+    assert verified_receipt(reducer, GROUP, 4, field, average) is None  # another part
+    assert verified_receipt(reducer, b"h" * 32, 3, field, average) is None  # another group
+    assert verified_receipt(reducer, GROUP, 3, field, answer_of(torch.zeros(512))) is None  # another average
+    other = AverageSigner(PeerSignatureValidator(rsa.generate_private_key(public_exponent=65537, key_size=2048)))
+    assert verified_receipt(_peer_of(other), GROUP, 3, field, average) is None  # someone else's key
+    tampered = p2ptrain_pb2.AnswerSignature.FromString(field)
+    tampered.receipt = make_receipt([(c, 2.0) for c in commitments], float("inf"), "mean")
+    assert verified_receipt(reducer, GROUP, 3, tampered.SerializeToString(), average) is None
+    assert verified_receipt(reducer, GROUP, 3, b"", average) is None
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "clip", "trim"])
+def test_an_honest_average_passes_its_audit_whatever_the_arrival_order(aggregation):
+    serialized, values, commitments = honest_inputs(5)
+    weights = [8.0, 8.0, 8.0, 24.0, 0.0]
+    cap = weight_cap(weights)
+    receipt = receipt_of(commitments, weights, cap=cap, aggregation=aggregation)
+    for seed in range(5):
+        order = list(range(5))
+        random.Random(seed).shuffle(order)
+        average = reduce(values, weights, aggregation, order, cap)
+        assert verdict(receipt, serialized, answer_of(average), CODEC) == ""
+
+
+def test_an_audit_convicts_a_scaled_average_and_a_dropped_member():
+    serialized, values, commitments = honest_inputs()
+    weights = [1.0] * 4
+    receipt = receipt_of(commitments, weights)
+    honest = reduce(values, weights, "mean", range(4))
+    assert verdict(receipt, serialized, answer_of(honest), CODEC) == ""
+    assert "from the mean of the 4 inputs" in verdict(receipt, serialized, answer_of(1.5 * honest), CODEC)
+    without_one = reduce(values[:3], weights[:3], "mean", range(3))
+    assert "it signed an average at distance" in verdict(receipt, serialized, answer_of(without_one), CODEC)
+    # what AUDIT_TOLERANCE lets through: a shade of its share of the norm, no more
+    assert verdict(receipt, serialized, answer_of(honest * (1 + AUDIT_TOLERANCE / 2)), CODEC) == ""
+    assert verdict(receipt, serialized, answer_of(honest * (1 + 2 * AUDIT_TOLERANCE)), CODEC) != ""
+    # the receipt says which parts were in: a member left out (its part failed) is consistent, not a lie
+    left_out = receipt_of(commitments, weights, left_out=(3,))
+    assert verdict(left_out, serialized[:3] + [b""], answer_of(without_one), CODEC) == ""
+
+
+def test_nothing_averaged_is_zeros_and_an_undecodable_input_convicts():
+    serialized, values, commitments = honest_inputs(3)
+    zero = receipt_of(commitments, [0.0, 0.0, 0.0])
+    assert verdict(zero, serialized, answer_of(torch.zeros(512)), CODEC) == ""
+    assert verdict(zero, serialized, answer_of(torch.ones(512)), CODEC) != ""
+    junk = [serialized[0], b"\x0a\x03abc", serialized[2]]
+    receipt = receipt_of([commitment(s) for s in junk], [1.0] * 3)
+    assert "does not decode" in verdict(receipt, junk, answer_of(values[0]), CODEC)
+
+
+def test_an_accuser_cannot_frame_an_honest_reducer(signer):
+    serialized, values, commitments = honest_inputs()
+    weights = [1.0] * 4
+    receipt = receipt_of(commitments, weights)
+    honest = reduce(values, weights, "mean", range(4))
+    # inputs that are not the committed ones prove nothing, whatever they average to
+    forged = list(serialized)
+    forged[1] = answer_of(values[1] * 10)
+    assert verdict(receipt, forged, answer_of(honest), CODEC) == ""
+    assert verdict(receipt, serialized[:3], answer_of(honest), CODEC) == ""  # an input missing
+    # as evidence: signed by the reducer, judged by a third party
+    message = _answer(signer, receipt.SerializeToString(), answer_of(honest))
+    item = p2ptrain_pb2.SignedAverage.FromString(signed_average(_peer_of(signer), GROUP, 0, message, "audit",
+                                                                serialized))
+    assert judge(item, CODEC, None, None) == ""
+    framed = p2ptrain_pb2.SignedAverage.FromString(signed_average(_peer_of(signer), GROUP, 0, message, "audit",
+                                                                  forged))
+    assert judge(framed, CODEC, None, None) == ""
+    scaled = _answer(signer, receipt.SerializeToString(), answer_of(1.5 * honest))
+    guilty = p2ptrain_pb2.SignedAverage.FromString(signed_average(_peer_of(signer), GROUP, 0, scaled, "audit",
+                                                                  serialized))
+    assert "it signed an average at distance" in judge(guilty, CODEC, None, None)  # a newcomer convicts on it too
+    guilty.average = answer_of(honest)  # the accuser swaps in another average: the signature no longer holds
+    assert judge(guilty, CODEC, None, None) == ""
+
+
+def _answer(signer, receipt: bytes, average: bytes):
+    return averaging_pb2.AveragingData(tensor_part=runtime_pb2.Tensor.FromString(average),
+                                       peer_id=signer.sign(GROUP, 0, receipt, average))
+
+
+def test_audits_never_pick_the_own_range_and_catch_a_full_cheat_as_stated():
+    parts = [3, 0, 3, 3, 3]  # a client-mode member reduces nothing
+    for me in range(5):
+        chosen = choose_audits(parts, me, 2)
+        assert len(chosen) == 2 and all(peer != me and part < parts[peer] for peer, part in chosen)
+    assert choose_audits(parts, 0, 100) == {(p, i) for p in (2, 3, 4) for i in range(3)}
+    assert choose_audits(parts, 0, 0) == set()
+    # a reducer that cheats on all of its parts, in a group of 4 equal ranges where the 3 others audit one part
+    # each: caught with probability 1 - (2/3)^3 = 0.704 per round
+    trials, caught = 4000, 0
+    for _ in range(trials):
+        caught += any(any(peer == 0 for peer, _ in choose_audits([3, 3, 3, 3], me, 1)) for me in (1, 2, 3))
+    assert abs(caught / trials - (1 - (2 / 3) ** 3)) < 0.03
