@@ -198,7 +198,9 @@ def _sync_peer(index: int, args: dict, maddrs, barrier, results) -> None:
             if memory:
                 cpu.append(memory.cpu_seconds() - cpu_before)
         peak = memory.stop()
+        time.sleep(1.0)  # the last round's audits (audit.py) run after it returns
         results[index] = dict(records=[r.to_dict() for r in opt.history], rss_before=baseline, rss_peak=peak, cpu=cpu,
+                              audits=opt.averager.audits,
                               params=sum(p.numel() for p in model.parameters()), compression=args["compression"],
                               message_bytes=opt.sparse_message_bytes if sparse else None,
                               digests=[r.digest for r in opt.history])
@@ -253,6 +255,9 @@ def summarize(peers: List[dict], ceiling: Optional[float], skip_first: bool) -> 
         # CPU seconds of every peer's processes (host, averager, p2pd) per second of sync: the machine's cores busy
         cores_busy=sum(statistics.mean(p["cpu"]) for p in peers if p["cpu"]) / seconds if seconds else 0.0,
         rss_added_mb=max(p["rss_peak"] - p["rss_before"] for p in peers) / 1e6,
+        # audits (averaging/audit.py): parts recomputed and bytes fetched for them, per peer per sync (all syncs)
+        audited_parts=mean([p["audits"]["parts"] / len(p["records"]) for p in peers]),
+        audit_bytes=mean([p["audits"]["bytes"] / len(p["records"]) for p in peers]),
     )
 
 
@@ -274,7 +279,9 @@ def print_table(rows: List[dict]) -> None:
               f"{row['bytes_moved'] / 1e6:.1f} MB; sent {row['bytes_sent'] / 1e6:.1f} MB = {row['of_butterfly']:.3f}x the "
               f"butterfly bound; "
               f"groups {row['group_sizes']}; digests agree: {row['digests_agree']}; cores busy during a sync "
-              f"{row['cores_busy']:.2f} of {os.cpu_count()}")
+              f"{row['cores_busy']:.2f} of {os.cpu_count()}; audits: {row['audited_parts']:.1f} parts and "
+              f"{row['audit_bytes'] / 1e6:.2f} MB fetched per peer per sync "
+              f"({row['audit_bytes'] / max(row['bytes_moved'], 1):.1%} of the bytes moved)")
 
 
 def draw(rows: List[dict], title: str, path: str) -> None:

@@ -25,8 +25,10 @@ ones. Limits: ARCHITECTURE.md, "Verifying reducers".
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import hashlib
 import math
+import multiprocessing as mp
 import random
 import time
 from collections import OrderedDict
@@ -160,7 +162,14 @@ class AuditMixin:
         self.audit_parts = audit_parts
         self._kept: "OrderedDict[bytes, _Kept]" = OrderedDict()
         self._audit_tasks: set = set()
-        self.audits = {"parts": 0, "bytes": 0, "caught": 0}  # averager process (logged; the tests read the logs)
+        # parts audited, bytes fetched for them and reducers caught so far (the host reads: metrics, benchmarks)
+        self._audit_counts = mp.Array(ctypes.c_int64, 3)
+
+    @property
+    def audits(self) -> Dict[str, int]:
+        """Parts this averager audited so far, the bytes it fetched for them, and the reducers it caught."""
+        parts, fetched, caught = self._audit_counts[:]
+        return {"parts": parts, "bytes": fetched, "caught": caught}
 
     def _keep_for_audit(self, group_id: bytes, members: Sequence[PeerID], inputs: Dict[Tuple[int, int], bytes]):
         """Keep a round's inputs (filled while it runs) for ``AUDIT_KEEP_S``, the last ``KEPT_ROUNDS`` rounds."""
@@ -215,12 +224,13 @@ class AuditMixin:
         loop = asyncio.get_event_loop()
         reason = await loop.run_in_executor(None, verdict, receipt, inputs, answer.tensor_part.SerializeToString(),
                                             codec)
-        self.audits["parts"] += 1
-        self.audits["bytes"] += fetched
+        with self._audit_counts.get_lock():
+            self._audit_counts[0] += 1
+            self._audit_counts[1] += fetched
+            self._audit_counts[2] += bool(reason)
         logger.debug(f"audited part #{part_index} of reducer {reducer}: {fetched} bytes, "
                      f"{'caught: ' + reason if reason else 'as signed'}")
         if reason:
-            self.audits["caught"] += 1
             self.ban(reducer, f"audited, part #{part_index} of a group: {reason}")
             proof = inputs if fetched + answer.tensor_part.ByteSize() <= MAX_PROOF_BYTES else None
             if proof is not None:
