@@ -63,8 +63,8 @@ KEPT_ROUNDS = 2
 AUDIT_TIMEOUT_S = 30.0
 """how long an auditor waits for one input"""
 MAX_PROOF_BYTES = 256 * 1024
-"""an audit's proof (the inputs and the average) larger than this is not stored in the DHT: the exclusion stays
-this peer's own"""
+"""an audit's proof (the inputs and the average) larger than this is not stored in the DHT: the auditor serves its
+inputs to the peers that read its record (``EvidenceMixin.rpc_audit_proof``)"""
 
 
 def commitment(serialized: bytes) -> bytes:
@@ -156,6 +156,8 @@ class AuditMixin:
     """The averager's side (averager process): keep our inputs as a reducer, serve them to the group's auditors, and
     audit other reducers after our rounds."""
 
+    max_proof_bytes = MAX_PROOF_BYTES
+
     def _init_audit(self, audit_parts: int) -> None:
         if audit_parts < 0:
             raise ValueError(f"audit_parts must be 0 or more, got {audit_parts}")
@@ -232,6 +234,7 @@ class AuditMixin:
                      f"{'caught: ' + reason if reason else 'as signed'}")
         if reason:
             self.ban(reducer, f"audited, part #{part_index} of a group: {reason}")
-            proof = inputs if fetched + answer.tensor_part.ByteSize() <= MAX_PROOF_BYTES else None
-            if proof is not None:
-                self._report_bad_average(group_id, reducer, part_index, answer, f"audit: {reason}", inputs=proof)
+            # the proof: inside the DHT record if it is small, else served by us to whoever reads the record
+            small = fetched + answer.tensor_part.ByteSize() <= self.max_proof_bytes
+            self._report_bad_average(group_id, reducer, part_index, answer, f"audit: {reason}",
+                                     inputs=inputs if small else (), serve=() if small else inputs)

@@ -31,19 +31,20 @@ import asyncio
 import hashlib
 import math
 import struct
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time, get_logger
 
 from p2ptrain.averaging.audit import verdict
 from p2ptrain.averaging.compression import WireCodec, WireFormatError, get_compression
 from p2ptrain.finite import all_finite
+from p2ptrain.hivemind_compat import p2p_of
 from p2ptrain.proto import p2ptrain_pb2
 from p2ptrain.security import _RSA_PADDING, peer_id_of
 
@@ -57,6 +58,12 @@ MAX_AVERAGE_BYTES = 1 << 20
 megabytes); parts are 512 KiB"""
 JUDGE_FACTOR = 10.0
 BAN_S = 600.0
+PROOF_TIMEOUT_S = 30.0
+"""how long a verifier waits for one input of an audit proof that its accuser serves"""
+PROOF_TRIES = 3
+"""reads of the evidence after which a served proof whose inputs never came is judged without them"""
+MAX_SENDERS = 1024
+"""the most inputs a verifier fetches for one served proof (a group's senders)"""
 """how long an evidence record lives (the averager's exclusions last as long)"""
 
 logger = get_logger(__name__)
@@ -102,10 +109,10 @@ def verified_receipt(reducer: PeerID, group_id: bytes, part_index: int, field: b
 
 
 def signed_average(reducer: PeerID, group_id: bytes, part_index: int, message, reason: str,
-                   inputs: Sequence[bytes] = ()) -> Optional[bytes]:
+                   inputs: Sequence[bytes] = (), served: bool = False) -> Optional[bytes]:
     """The serialized ``SignedAverage`` of a reducer's answer (a hivemind ``AveragingData`` whose ``peer_id`` field
-    carries ``AverageSigner.sign``'s bytes), with an audit's ``inputs``; None if it carries no signature, or is too
-    large to keep."""
+    carries ``AverageSigner.sign``'s bytes), with an audit's ``inputs`` (or, ``served``, a note that the accuser
+    serves them); None if it carries no signature, or is too large to keep."""
     average = message.tensor_part.SerializeToString()
     if len(average) + sum(map(len, inputs)) > MAX_AVERAGE_BYTES:
         return None
@@ -117,8 +124,8 @@ def signed_average(reducer: PeerID, group_id: bytes, part_index: int, message, r
         return None
     return p2ptrain_pb2.SignedAverage(reducer=reducer.to_bytes(), group_id=group_id, part_index=part_index,
                                       average=average, signature=signed.signature, public_key=signed.public_key,
-                                      reason=reason[:200], receipt=signed.receipt,
-                                      inputs=list(inputs)).SerializeToString()
+                                      reason=reason[:200], receipt=signed.receipt, inputs=list(inputs),
+                                      inputs_served=served).SerializeToString()
 
 
 def _verify(reducer: bytes, public_key: bytes, signature: bytes, signed: bytes) -> bool:
@@ -194,13 +201,21 @@ class EvidenceMixin:
         self._evidence_seen: set = set()  # digests of the items judged already
         self._evidence_task = None
         self._own_rms_last: Optional[float] = None  # RMS of our last contribution to a round: the judge's scale
+        self._proofs: Dict[bytes, List[bytes]] = {}  # digest of one of our items -> the audit inputs we serve for it
+        self._proof_tries: Dict[bytes, int] = {}  # digest of another's item -> times its served inputs did not come
 
     def _report_bad_average(self, group_id: bytes, reducer: PeerID, part_index: int, message, reason: str,
-                            inputs: Sequence[bytes] = ()) -> None:
-        item = signed_average(reducer, group_id, part_index, message, reason, inputs)
+                            inputs: Sequence[bytes] = (), serve: Sequence[bytes] = ()) -> None:
+        """Store a signed average we refused as evidence: with an audit's ``inputs`` inside, or with ``serve``, the
+        inputs we serve to whoever reads it (``rpc_audit_proof``: they are too large for the DHT)."""
+        item = signed_average(reducer, group_id, part_index, message, reason, inputs, served=bool(serve))
         if item is None:
             return  # unsigned: nothing another peer could check
         self._evidence_items = [*self._evidence_items, item][-MAX_ITEMS:]
+        if serve:
+            self._proofs[hashlib.sha256(item).digest()] = list(serve)
+        kept = {hashlib.sha256(i).digest() for i in self._evidence_items}
+        self._proofs = {digest: proof for digest, proof in self._proofs.items() if digest in kept}
         asyncio.create_task(self._store_evidence())
 
     async def _store_evidence(self) -> None:
@@ -240,14 +255,54 @@ class EvidenceMixin:
                 digest = hashlib.sha256(item.SerializeToString()).digest()
                 if accuser == self.peer_id or digest in self._evidence_seen:
                     continue
-                self._evidence_seen.add(digest)
                 try:
                     reducer = PeerID(item.reducer)
                 except Exception:
+                    self._evidence_seen.add(digest)
                     continue
                 if reducer == self.peer_id or self.is_banned(reducer):
+                    self._evidence_seen.add(digest)
                     continue
+                if item.inputs_served and not item.inputs and signed_by_reducer(item):
+                    inputs = await self._fetch_proof(accuser, digest, item)
+                    if inputs is None:
+                        continue  # the accuser did not answer: asked again at the next read, a few times
+                    item.inputs.extend(inputs)
+                self._evidence_seen.add(digest)
                 reason = judge(item, self.codec, self.max_norm_ratio, self._own_rms_last)
                 if reason:
                     self.ban(reducer, f"peer {accuser} holds its signed average of part #{item.part_index} of a "
                                       f"group: {reason}")
+
+    async def _fetch_proof(self, accuser: PeerID, digest: bytes,
+                           item: p2ptrain_pb2.SignedAverage) -> Optional[List[bytes]]:
+        """The audit inputs an accuser serves for its item, one sender's per call; None if they did not all come
+        (after ``PROOF_TRIES`` reads that failed so, [] : the item is judged without them and convicts nobody)."""
+        try:
+            receipt = p2ptrain_pb2.Receipt.FromString(item.receipt)
+            stub = self.get_stub(p2p_of(self), accuser, namespace=self.prefix)
+            inputs = []
+            for index, committed in enumerate(receipt.commitments[:MAX_SENDERS]):
+                if not committed:
+                    inputs.append(b"")
+                    continue
+                request = p2ptrain_pb2.ProofRequest(item=digest, sender_index=index,
+                                                    admission=self.auth.token(self.peer_id))
+                reply = await asyncio.wait_for(stub.rpc_audit_proof(request), PROOF_TIMEOUT_S)
+                if not reply.available:
+                    raise LookupError("the accuser no longer serves it")
+                inputs.append(reply.tensor_part)
+            return inputs
+        except Exception as e:
+            tries = self._proof_tries[digest] = self._proof_tries.get(digest, 0) + 1
+            logger.debug(f"could not fetch the inputs of peer {accuser}'s audit proof ({tries}): {e!r}")
+            return [] if tries >= PROOF_TRIES else None
+
+    async def rpc_audit_proof(self, request: p2ptrain_pb2.ProofRequest,
+                              context: P2PContext) -> p2ptrain_pb2.AuditInput:
+        """One input of an audit proof of ours (``_report_bad_average`` with ``serve``), to a peer of the swarm."""
+        proof = self._proofs.get(request.item)
+        if proof is None or request.sender_index >= len(proof) or not self.auth.admits(context.remote_id,
+                                                                                       request.admission):
+            return p2ptrain_pb2.AuditInput(available=False)
+        return p2ptrain_pb2.AuditInput(available=True, tensor_part=proof[request.sender_index])

@@ -32,6 +32,7 @@ from hivemind.utils import get_dht_time
 from p2ptrain import DiLoCoOptimizer
 from p2ptrain.averaging.allreduce import ExactAllReduceRunner
 from p2ptrain.averaging.averager import PseudoGradientAverager as P2PTrainAverager
+from p2ptrain.averaging.audit import MAX_PROOF_BYTES, AuditMixin
 from p2ptrain.averaging.reducer import Reducer
 from p2ptrain.proto import p2ptrain_pb2
 from p2ptrain.security import PeerSignatureValidator, SwarmAuth, SwarmKeyValidator, generate_swarm_key, load_identity
@@ -103,9 +104,10 @@ TEACHER = torch.randn(16, 4, generator=torch.Generator().manual_seed(7))
 
 
 def train(dhts, *, before_rounds=None, target_group_size: int = 2, model=make_model, aggregation: str = "mean",
-          classes=(), teacher: bool = False):
+          classes=(), teacher: bool = False, after_rounds=None):
     """Train one DiLoCoOptimizer per DHT, each in its own thread, on fixed data; returns the final parameters and
-    the optimizers' histories. ``before_rounds`` runs once the optimizers exist (the attack); ``classes``: the
+    the optimizers' histories. ``before_rounds`` runs once the optimizers exist (the attack), ``after_rounds`` once they trained, before
+    they close; ``classes``: the
     optimizer class of the first peers (a rogue's), DiLoCoOptimizer for the rest. The targets are random, or with
     ``teacher`` one linear map of the inputs that every peer learns (their pseudo-gradients then agree, as those of
     peers learning one task from different samples do)."""
@@ -140,6 +142,8 @@ def train(dhts, *, before_rounds=None, target_group_size: int = 2, model=make_mo
             t.join(timeout=180)
         assert not errors, errors
         assert not any(t.is_alive() for t in threads), "an honest peer hung"
+        if after_rounds is not None:
+            after_rounds(opts)
         return [[p.detach().clone() for p in m.parameters()] for m in models], [list(o.history) for o in opts]
     finally:
         for opt in opts:
@@ -522,14 +526,15 @@ class Auditor(DiLoCoOptimizer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lie", ["x1.5", "drop"])
+@pytest.mark.parametrize("lie", ["x1.5", "drop", "x1.5-served"])
 def test_a_reducer_whose_average_is_wrong_is_caught_by_an_audit_and_excluded_swarm_wide(swarm_key, tmp_path, capfd,
                                                                                          logs_to_stderr, lie):
     """A key holder in the first round's group answers, for its range, averages that pass every check of the round
     (signed, plausible in size, with a receipt naming every sender's part as sent) but are wrong: x1.5, or without
     one member's part. The honest peers audit its parts after the round, recompute them from the inputs it signed
     for, exclude it, and average every later round without it. Their proof (the signed average, receipt and inputs)
-    convicts it on a newcomer that never met it, before that newcomer looks for state."""
+    convicts it on a newcomer that never met it, before that newcomer looks for state: inside their DHT records, or
+    ("-served") served by them on request, as a real model's proofs are (too large for the DHT)."""
     dhts = honest_swarm(swarm_key)
     rogue_dht, _ = start_rogue(swarm_key, dhts, str(tmp_path / "rogue.key"))
     rogue_dht.auth = SwarmAuth.from_key(bytes.fromhex(swarm_key.read_text()))
@@ -555,11 +560,11 @@ def test_a_reducer_whose_average_is_wrong_is_caught_by_an_audit_and_excluded_swa
             except Exception:
                 pass
 
-    ShadyReducer.lie = lie  # read in the rogue's averager process, forked below
+    ShadyReducer.lie = lie.removesuffix("-served")  # read in the rogue's averager process, forked below
+    AuditMixin.max_proof_bytes = 0 if lie.endswith("-served") else MAX_PROOF_BYTES  # in the honest ones, forked too
     newcomer_bans = []
-    try:
-        params, histories = train(dhts, before_rounds=attack, target_group_size=3, model=make_deeper_model,
-                                  classes=(Auditor, Auditor))
+
+    def newcomer_reads_the_evidence(_opts):  # while the accusers run: they serve the proofs that are not in the DHT
         newcomer_dht = start_dht(SwarmConfig(host_maddrs=[LOOPBACK], swarm_key_file=str(swarm_key),
                                              initial_peers=[str(m) for m in dhts[0].get_visible_maddrs()]))
         dhts.append(newcomer_dht)
@@ -571,8 +576,12 @@ def test_a_reducer_whose_average_is_wrong_is_caught_by_an_audit_and_excluded_swa
             newcomer_bans.extend(newcomer.banned_peers)
         finally:
             newcomer.shutdown()
+
+    try:
+        params, histories = train(dhts, before_rounds=attack, target_group_size=3, model=make_deeper_model,
+                                  classes=(Auditor, Auditor), after_rounds=newcomer_reads_the_evidence)
     finally:
-        ShadyReducer.lie = "x1.5"
+        ShadyReducer.lie, AuditMixin.max_proof_bytes = "x1.5", MAX_PROOF_BYTES
         stop.set()
         for thread in threads:
             thread.join(timeout=15)
