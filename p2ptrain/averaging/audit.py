@@ -13,8 +13,9 @@ Three pieces (protocol 9), after BTARD (Gorbunov et al. 2021):
    it with the signed average (``verdict``). A mismatch is a proof: the reducer signed both the commitments and the
    average, and anyone can redo the arithmetic. The reducer keeps its inputs (one wire-format copy of the vector over
    its range x group size, that is one copy of the whole vector) for ``AUDIT_KEEP_S``.
-3. **Evidence.** The proof goes into the auditor's evidence record (evidence.py) when it is small enough for the
-   DHT (``MAX_PROOF_BYTES``), so the reducer is excluded swarm-wide; larger proofs exclude it on the auditor only.
+3. **Evidence.** The proof goes into the auditor's evidence record (evidence.py), so the reducer is excluded
+   swarm-wide: inside the record when it is small enough for the DHT (``MAX_PROOF_BYTES``), else the record says
+   the auditor serves its inputs (``EvidenceMixin.rpc_audit_proof``), and each reader fetches them once.
 
 A reducer that cheats on a share q of its parts, in a group of n equal ranges where each of the n - 1 others audits
 one part, is caught in a round with probability 1 - (1 - q / (n - 1)) ** (n - 1) (all its parts: 1 for n = 2, 0.75
@@ -30,6 +31,7 @@ import hashlib
 import math
 import multiprocessing as mp
 import random
+import struct
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -57,9 +59,14 @@ rounding to the wire format can turn into one fp16 step"""
 ABSOLUTE_SLACK = 1e-6
 """... plus this much per value's square root (an all-zero average)"""
 AUDIT_KEEP_S = 120.0
-"""how long a reducer keeps a round's inputs for its auditors"""
-KEPT_ROUNDS = 2
-"""rounds whose inputs a reducer keeps at most (the memory: that many copies of the vector in wire format)"""
+"""how long a reducer keeps a round's inputs for its auditors (dropped when a later round starts after that)"""
+KEPT_ROUNDS = 4
+"""rounds whose inputs a reducer keeps at most (the memory: that many copies of the vector in wire format, in a
+swarm whose syncs are less than ``AUDIT_KEEP_S`` apart; one otherwise)"""
+FRESH_S = 30.0
+"""a reducer that does not show an input it signed for, asked within this long after the round, is excluded (by
+the auditor alone: nothing proves it). Honest reducers keep their inputs ``AUDIT_KEEP_S``, for ``KEPT_ROUNDS``
+rounds; later, the auditor lets it go"""
 AUDIT_TIMEOUT_S = 30.0
 """how long an auditor waits for one input"""
 MAX_PROOF_BYTES = 256 * 1024
@@ -67,9 +74,24 @@ MAX_PROOF_BYTES = 256 * 1024
 inputs to the peers that read its record (``EvidenceMixin.rpc_audit_proof``)"""
 
 
-def commitment(serialized: bytes) -> bytes:
-    """What a receipt holds for a sender's part: the SHA-256 of the serialized ``runtime_pb2.Tensor``."""
-    return hashlib.sha256(serialized).digest()
+def commitment(message: runtime_pb2.Tensor) -> bytes:
+    """What a receipt holds for a sender's part, and what a reducer's signature covers of its average: the SHA-256 of
+    every field of the ``runtime_pb2.Tensor`` (the buffer hashed in place: no serialized copy on the round's path)."""
+    digest = hashlib.sha256(b"p2ptrain-tensor")
+    digest.update(struct.pack(">iii?I", message.compression, message.chunks, len(message.size), message.requires_grad,
+                              len(message.dtype)))
+    digest.update(struct.pack(f">{len(message.size)}I", *message.size))
+    digest.update(message.dtype.encode())
+    digest.update(message.buffer)
+    return digest.digest()
+
+
+def commitment_of(serialized: bytes) -> bytes:
+    """``commitment`` of a serialized part (b"" if it does not parse)."""
+    try:
+        return commitment(runtime_pb2.Tensor.FromString(serialized))
+    except Exception:
+        return b""
 
 
 def make_receipt(entries: Sequence[Optional[Tuple[bytes, float]]], weight_cap: float, aggregation: str) -> bytes:
@@ -106,7 +128,7 @@ def verdict(receipt: p2ptrain_pb2.Receipt, inputs: Sequence[bytes], average: byt
     if len(receipt.weights) != n or len(inputs) != n or n == 0 or receipt.aggregation not in AGGREGATIONS:
         return ""
     for committed, given in zip(receipt.commitments, inputs):
-        if (committed or given) and commitment(given) != committed:
+        if (committed or given) and commitment_of(given) != committed:
             return ""
     try:
         averaged = codec.extract(runtime_pb2.Tensor.FromString(average))
@@ -148,7 +170,7 @@ def choose_audits(parts_by_reducer: Sequence[int], me: int, audit_parts: int) ->
 @dataclass
 class _Kept:
     members: frozenset
-    inputs: Dict[Tuple[int, int], bytes]  # (part index, sender index) -> serialized part
+    inputs: Dict[Tuple[int, int], runtime_pb2.Tensor]  # (part index, sender index) -> the part as it came
     until: float
 
 
@@ -173,7 +195,8 @@ class AuditMixin:
         parts, fetched, caught = self._audit_counts[:]
         return {"parts": parts, "bytes": fetched, "caught": caught}
 
-    def _keep_for_audit(self, group_id: bytes, members: Sequence[PeerID], inputs: Dict[Tuple[int, int], bytes]):
+    def _keep_for_audit(self, group_id: bytes, members: Sequence[PeerID],
+                        inputs: Dict[Tuple[int, int], runtime_pb2.Tensor]):
         """Keep a round's inputs (filled while it runs) for ``AUDIT_KEEP_S``, the last ``KEPT_ROUNDS`` rounds."""
         now = time.monotonic()
         for old in [g for g, kept in self._kept.items() if kept.until < now]:
@@ -188,17 +211,19 @@ class AuditMixin:
         if kept is None or kept.until < time.monotonic() or context.remote_id not in kept.members:
             return p2ptrain_pb2.AuditInput(available=False)
         part = kept.inputs.get((request.part_index, request.sender_index))
-        return p2ptrain_pb2.AuditInput(available=part is not None, tensor_part=part or b"")
+        return p2ptrain_pb2.AuditInput(available=part is not None,
+                                       tensor_part=part.SerializeToString() if part is not None else b"")
 
     def _start_audits(self, group_id: bytes, targets: List[Tuple[PeerID, int, averaging_pb2.AveragingData]],
                       codec: WireCodec) -> None:
+        ended = time.monotonic()
         for reducer, part_index, answer in targets:
-            task = asyncio.create_task(self._audit(group_id, reducer, part_index, answer, codec))
+            task = asyncio.create_task(self._audit(group_id, reducer, part_index, answer, codec, ended))
             self._audit_tasks.add(task)
             task.add_done_callback(self._audit_tasks.discard)
 
     async def _audit(self, group_id: bytes, reducer: PeerID, part_index: int, answer: averaging_pb2.AveragingData,
-                     codec: WireCodec) -> None:
+                     codec: WireCodec, ended: float) -> None:
         """Fetch the inputs of one part from its reducer, recompute, and exclude the reducer if they disagree."""
         try:
             receipt = p2ptrain_pb2.Receipt.FromString(
@@ -218,7 +243,10 @@ class AuditMixin:
                 logger.info(f"could not audit part #{part_index} of reducer {reducer}: {e!r}")
                 return
             fetched += len(reply.tensor_part)
-            if not reply.available or commitment(reply.tensor_part) != committed:
+            if not reply.available and time.monotonic() - ended > FRESH_S:
+                logger.info(f"reducer {reducer} no longer keeps the inputs of part #{part_index}: not audited")
+                return
+            if not reply.available or commitment_of(reply.tensor_part) != committed:
                 self.ban(reducer, f"it did not show the input of sender #{sender_index} to part #{part_index} it "
                                   "signed for when audited")
                 return

@@ -17,8 +17,9 @@ What is proven, and what is judged:
   sender's own check, so that an honest reducer of a group whose pseudo-gradients were larger than the verifier's
   is not excluded on its word. A verifier with no contribution yet (a newcomer) judges nothing but the proven kinds.
 - **Proven by an audit** (audit.py): the signature also covers the reducer's receipt (the commitments to its
-  inputs); an item that carries those inputs convicts the reducer if the aggregate recomputed from them is not the
-  average it signed (a member dropped, a part scaled by 1.5).
+  inputs); an item that carries those inputs, or whose accuser serves them (``rpc_audit_proof``: too large for the
+  DHT), convicts the reducer if the aggregate recomputed from them is not the average it signed (a member dropped,
+  a part scaled by 1.5).
 
 An accuser cannot frame an honest reducer (it cannot forge the signature, inputs that do not hash to the receipt's
 commitments prove nothing, and an honest average passes the judgement), but it can replay a real signed average of
@@ -41,7 +42,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time, get_logger
 
-from p2ptrain.averaging.audit import verdict
+from p2ptrain.averaging.audit import commitment, verdict
 from p2ptrain.averaging.compression import WireCodec, WireFormatError, get_compression
 from p2ptrain.finite import all_finite
 from p2ptrain.hivemind_compat import p2p_of
@@ -73,9 +74,9 @@ def evidence_key(prefix: str) -> str:
     return f"{prefix}_evidence"
 
 
-def _signed_bytes(group_id: bytes, part_index: int, receipt: bytes, average: bytes) -> bytes:
+def _signed_bytes(group_id: bytes, part_index: int, receipt: bytes, average: runtime_pb2.Tensor) -> bytes:
     return hashlib.sha256(DOMAIN + group_id + struct.pack(">I", part_index) + hashlib.sha256(receipt).digest()
-                          + average).digest()
+                          + commitment(average)).digest()
 
 
 class AverageSigner:
@@ -85,7 +86,7 @@ class AverageSigner:
         self._key: rsa.RSAPrivateKey = identity._key
         self.public_der: bytes = identity._public_der
 
-    def sign(self, group_id: bytes, part_index: int, receipt: bytes, average: bytes) -> bytes:
+    def sign(self, group_id: bytes, part_index: int, receipt: bytes, average: runtime_pb2.Tensor) -> bytes:
         """What an answer's ``peer_id`` field carries: a serialized ``AnswerSignature`` (the signature, the public
         key, the receipt: about 560 bytes with a 2048-bit key, plus 49 per sender)."""
         signature = self._key.sign(_signed_bytes(group_id, part_index, receipt, average), _RSA_PADDING,
@@ -94,14 +95,14 @@ class AverageSigner:
                                             receipt=receipt).SerializeToString()
 
 
-def verified_receipt(reducer: PeerID, group_id: bytes, part_index: int, field: bytes,
-                     average: bytes) -> Optional[p2ptrain_pb2.Receipt]:
-    """The receipt of an answer (its ``peer_id`` field and serialized average) if ``reducer`` signed both; None if it
-    did not, or the answer carries no signature."""
+def verified_receipt(reducer: PeerID, group_id: bytes, part_index: int, field: bytes, average: runtime_pb2.Tensor,
+                     keys: Optional[dict] = None) -> Optional[p2ptrain_pb2.Receipt]:
+    """The receipt of an answer (its ``peer_id`` field and its average) if ``reducer`` signed both; None if it did
+    not, or the answer carries no signature. ``keys``: reducers' public keys checked so far (a cache)."""
     try:
         signed = p2ptrain_pb2.AnswerSignature.FromString(field)
         if not _verify(reducer.to_bytes(), signed.public_key, signed.signature,
-                       _signed_bytes(group_id, part_index, signed.receipt, average)):
+                       _signed_bytes(group_id, part_index, signed.receipt, average), keys):
             return None
         return p2ptrain_pb2.Receipt.FromString(signed.receipt)
     except Exception:  # not an AnswerSignature, or a receipt that does not parse: unsigned
@@ -128,15 +129,19 @@ def signed_average(reducer: PeerID, group_id: bytes, part_index: int, message, r
                                       inputs_served=served).SerializeToString()
 
 
-def _verify(reducer: bytes, public_key: bytes, signature: bytes, signed: bytes) -> bool:
+def _verify(reducer: bytes, public_key: bytes, signature: bytes, signed: bytes, keys: Optional[dict] = None) -> bool:
     """Whether ``signature`` over ``signed`` is that of ``public_key``, and the key is the reducer's (it hashes to
-    its peer id)."""
+    its peer id). ``keys``: (reducer, public key) -> the loaded key, for the keys checked already."""
     try:
-        if peer_id_of(public_key).to_bytes() != reducer:
-            return False
-        key = serialization.load_der_public_key(public_key)
-        if not isinstance(key, rsa.RSAPublicKey) or key.key_size > 8192:
-            return False
+        key = (keys or {}).get((reducer, public_key))
+        if key is None:
+            if peer_id_of(public_key).to_bytes() != reducer:
+                return False
+            key = serialization.load_der_public_key(public_key)
+            if not isinstance(key, rsa.RSAPublicKey) or key.key_size > 8192:
+                return False
+            if keys is not None:
+                keys[(reducer, public_key)] = key
         key.verify(signature, signed, _RSA_PADDING, hashes.SHA256())
         return True
     except (InvalidSignature, ValueError, TypeError, UnsupportedAlgorithm):
@@ -145,8 +150,12 @@ def _verify(reducer: bytes, public_key: bytes, signature: bytes, signed: bytes) 
 
 def signed_by_reducer(item: p2ptrain_pb2.SignedAverage) -> bool:
     """Whether the reducer the item names signed its average and receipt (its public key hashes to its peer id)."""
+    try:
+        average = runtime_pb2.Tensor.FromString(item.average)
+    except Exception:
+        return False  # not the answer it was: answers parse (the sender read it as one)
     return _verify(item.reducer, item.public_key, item.signature,
-                   _signed_bytes(item.group_id, item.part_index, item.receipt, item.average))
+                   _signed_bytes(item.group_id, item.part_index, item.receipt, average))
 
 
 def judge(item: p2ptrain_pb2.SignedAverage, codec: WireCodec, max_norm_ratio: Optional[float],

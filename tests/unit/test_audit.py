@@ -42,7 +42,7 @@ def honest_inputs(n: int = 4, size: int = 512, seed: int = 0):
     messages = [CODEC.compress(t, CompressionInfo.from_tensor(t))
                 for t in (signal + 0.5 * torch.randn(size, generator=gen) for _ in range(n))]
     serialized = [m.SerializeToString() for m in messages]
-    return serialized, [CODEC.extract(m) for m in messages], [commitment(s) for s in serialized]
+    return serialized, [CODEC.extract(m) for m in messages], [commitment(m) for m in messages]
 
 
 def reduce(values, weights, aggregation: str, order, cap: float = float("inf")) -> torch.Tensor:
@@ -60,6 +60,10 @@ def answer_of(average: torch.Tensor) -> bytes:
     return CODEC.compress(average, CompressionInfo.from_tensor(average)).SerializeToString()
 
 
+def message_of(serialized: bytes) -> runtime_pb2.Tensor:
+    return runtime_pb2.Tensor.FromString(serialized)
+
+
 def receipt_of(commitments, weights, cap=float("inf"), aggregation="mean", left_out=()):
     entries = [None if i in left_out else (c, w) for i, (c, w) in enumerate(zip(commitments, weights))]
     return p2ptrain_pb2.Receipt.FromString(make_receipt(entries, cap, aggregation))
@@ -74,7 +78,7 @@ def test_a_sender_refuses_a_receipt_that_leaves_out_or_alters_its_part():
     # another member left out is not this sender's to judge: its part may have failed honestly
     assert check_receipt(receipt_of(commitments, weights, left_out=(0,)), **ok) == ""
     swapped = list(commitments)
-    swapped[2] = commitment(b"another part")
+    swapped[2] = commitment(message_of(answer_of(torch.ones(512))))
     assert "not the one this peer sent" in check_receipt(receipt_of(swapped, weights), **ok)
     assert "weighs this peer's part 1.0" in check_receipt(receipt_of(commitments, [8.0, 8.0, 1.0, 8.0]), **ok)
     assert "weight cap" in check_receipt(receipt_of(commitments, weights, cap=16.0), **ok)
@@ -84,14 +88,14 @@ def test_a_sender_refuses_a_receipt_that_leaves_out_or_alters_its_part():
 
 def test_the_signature_binds_the_receipt_and_the_average(signer):
     serialized, values, commitments = honest_inputs()
-    average = answer_of(reduce(values, [1.0] * 4, "mean", range(4)))
+    average = message_of(answer_of(reduce(values, [1.0] * 4, "mean", range(4))))
     receipt = make_receipt([(c, 1.0) for c in commitments], float("inf"), "mean")
     field = signer.sign(GROUP, 3, receipt, average)
     reducer = _peer_of(signer)
     assert verified_receipt(reducer, GROUP, 3, field, average).commitments == commitments
     assert verified_receipt(reducer, GROUP, 4, field, average) is None  # another part
     assert verified_receipt(reducer, b"h" * 32, 3, field, average) is None  # another group
-    assert verified_receipt(reducer, GROUP, 3, field, answer_of(torch.zeros(512))) is None  # another average
+    assert verified_receipt(reducer, GROUP, 3, field, message_of(answer_of(torch.zeros(512)))) is None
     other = AverageSigner(PeerSignatureValidator(rsa.generate_private_key(public_exponent=65537, key_size=2048)))
     assert verified_receipt(_peer_of(other), GROUP, 3, field, average) is None  # someone else's key
     tampered = p2ptrain_pb2.AnswerSignature.FromString(field)
@@ -136,7 +140,7 @@ def test_nothing_averaged_is_zeros_and_an_undecodable_input_convicts():
     assert verdict(zero, serialized, answer_of(torch.zeros(512)), CODEC) == ""
     assert verdict(zero, serialized, answer_of(torch.ones(512)), CODEC) != ""
     junk = [serialized[0], b"\x0a\x03abc", serialized[2]]
-    receipt = receipt_of([commitment(s) for s in junk], [1.0] * 3)
+    receipt = receipt_of([commitment(message_of(s)) for s in junk], [1.0] * 3)
     assert "does not decode" in verdict(receipt, junk, answer_of(values[0]), CODEC)
 
 
@@ -167,8 +171,8 @@ def test_an_accuser_cannot_frame_an_honest_reducer(signer):
 
 
 def _answer(signer, receipt: bytes, average: bytes):
-    return averaging_pb2.AveragingData(tensor_part=runtime_pb2.Tensor.FromString(average),
-                                       peer_id=signer.sign(GROUP, 0, receipt, average))
+    return averaging_pb2.AveragingData(tensor_part=message_of(average),
+                                       peer_id=signer.sign(GROUP, 0, receipt, message_of(average)))
 
 
 def test_audits_never_pick_the_own_range_and_catch_a_full_cheat_as_stated():
