@@ -327,9 +327,15 @@ class Rounds:
         """Whether this round went on without this peer (then it takes the swarm's state instead of averaging).
         One group: any live peer ahead. Mixing groups: the other groups finish the round at their own pace, and
         members of our own cell that went on without us leave us to step alone (a later round mixes our state in:
-        cheaper than throwing our inner steps away for a download); only two steps ahead, a whole phase, is behind."""
+        cheaper than throwing our inner steps away for a download); only two steps ahead, a whole phase, is behind.
+        But a peer that may not step alone (``no_group_policy`` "wait") is behind as soon as the swarm is ahead and
+        nobody is left at its outer step: nobody will ever average this round with it (it had waited for ever, and
+        the peers a step ahead waited for it as late: seen when one member refused a reducer's range that the
+        others committed)."""
         if not self.settings.mixing:
             return outlook.ahead
+        if self.settings.no_group_policy == "wait" and outlook.ahead and not outlook.ready and not outlook.late:
+            return True
         return outlook.far_ahead
 
     def _mixing_group(self, position: Position, outlook: RoundOutlook,

@@ -104,10 +104,11 @@ TEACHER = torch.randn(16, 4, generator=torch.Generator().manual_seed(7))
 
 
 def train(dhts, *, before_rounds=None, target_group_size: int = 2, model=make_model, aggregation: str = "mean",
-          classes=(), teacher: bool = False, after_rounds=None):
+          classes=(), teacher: bool = False, after_rounds=None, to_outer_step: bool = False):
     """Train one DiLoCoOptimizer per DHT, each in its own thread, on fixed data; returns the final parameters and
     the optimizers' histories. ``before_rounds`` runs once the optimizers exist (the attack), ``after_rounds`` once they trained, before
-    they close; ``classes``: the
+    they close (``to_outer_step``: each peer trains until it reaches the last outer step, not for a fixed
+    number of steps); ``classes``: the
     optimizer class of the first peers (a rogue's), DiLoCoOptimizer for the rest. The targets are random, or with
     ``teacher`` one linear map of the inputs that every peer learns (their pseudo-gradients then agree, as those of
     peers learning one task from different samples do)."""
@@ -123,7 +124,9 @@ def train(dhts, *, before_rounds=None, target_group_size: int = 2, model=make_mo
     def run(i):
         try:
             gen = torch.Generator().manual_seed(100 + i)
-            for _ in range(LOCAL_STEPS * OUTER_STEPS):
+            for _ in range(LOCAL_STEPS * OUTER_STEPS * (4 if to_outer_step else 1)):
+                if to_outer_step and opts[i].outer_step >= OUTER_STEPS:
+                    break  # a peer that took the state skipped inner steps: it is done at the same outer step
                 x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
                 y = x @ TEACHER + 0.1 * y if teacher else y
                 torch.nn.functional.mse_loss(models[i](x), y).backward()
@@ -363,6 +366,22 @@ def test_key_holders_sending_poison_change_nothing(swarm_key, alone, poisons, tm
         assert f"excluding peer {rogue_dht.peer_id} from this run" in logs, "a rogue was never caught"
 
 
+def newcomer_reads_the_evidence(swarm_key, dhts) -> list:
+    """A newcomer joins (its DHT is added to ``dhts``), looks for state, and returns whom it excluded first: the
+    evidence records are read before any donor is listed."""
+    newcomer_dht = start_dht(SwarmConfig(host_maddrs=[LOOPBACK], swarm_key_file=str(swarm_key),
+                                         initial_peers=[str(m) for m in dhts[0].get_visible_maddrs()]))
+    dhts.append(newcomer_dht)
+    newcomer = P2PTrainAverager([torch.zeros_like(p) for p in make_deeper_model().parameters()], newcomer_dht,
+                                prefix=PREFIX, compression="fp16", request_timeout=1.0)
+    newcomer.start_in_background(30.0)
+    try:
+        newcomer.download_state(timeout_s=5.0)
+        return list(newcomer.banned_peers)
+    finally:
+        newcomer.shutdown()
+
+
 class PoisonedReducer(ExactAllReduceRunner):
     """A key holder's runner that sends honest parts but answers, as a reducer, averages x1e30 (fp16 on the wire
     caps them at 65504: finite, 10^4 times too large), or NaN."""
@@ -441,17 +460,7 @@ def test_a_caught_reducer_costs_no_round_and_its_records_stop_counting(swarm_key
         params, histories = train(dhts, before_rounds=attack, target_group_size=3, model=make_deeper_model)
         # a newcomer that never met the rogue reads the honest peers' evidence before it looks for state: it
         # excludes the rogue (whose averager still declares a state) on their proof alone
-        newcomer_dht = start_dht(SwarmConfig(host_maddrs=[LOOPBACK], swarm_key_file=str(swarm_key),
-                                             initial_peers=[str(m) for m in dhts[0].get_visible_maddrs()]))
-        dhts.append(newcomer_dht)
-        newcomer = P2PTrainAverager([torch.zeros_like(p) for p in make_deeper_model().parameters()], newcomer_dht,
-                                    prefix=PREFIX, compression="fp16", request_timeout=1.0)
-        newcomer.start_in_background(30.0)
-        try:
-            newcomer.download_state(timeout_s=5.0)
-            newcomer_bans.extend(newcomer.banned_peers)
-        finally:
-            newcomer.shutdown()
+        newcomer_bans.extend(newcomer_reads_the_evidence(swarm_key, dhts))
     finally:
         PoisonedReducer.poison = 1e30
         stop.set()
@@ -487,27 +496,33 @@ def test_a_caught_reducer_costs_no_round_and_its_records_stop_counting(swarm_key
 class ShadyReducer(ExactAllReduceRunner):
     """A key holder's runner whose averages look right: within every norm check, signed, with a receipt that lists
     every sender as it sent. It scales them by 1.5 ("x1.5"), or leaves the first other sender's part out of them
-    ("drop": weighed 0, still listed)."""
+    ("drop": weighed 0, still listed; "drop-unlisted": left out of the receipt too, as if that sender had failed)."""
 
     lie = "x1.5"
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        if self.lie == "drop":
+        if self.lie.startswith("drop"):
             me = self.sender_peer_ids.index(self.peer_id)
             self.tensor_part_reducer.__class__ = _Dropping
             self.tensor_part_reducer.victim = next(i for i in range(len(self.sender_peer_ids)) if i != me)
+            self.tensor_part_reducer.unlisted = self.lie == "drop-unlisted"
 
     async def _serialize_average(self, part_index: int, averaged_part: torch.Tensor):
         return await super()._serialize_average(part_index, averaged_part * (1.5 if self.lie == "x1.5" else 1.0))
 
 
 class _Dropping(Reducer):
-    victim = 0
+    victim, unlisted = 0, False
 
     async def accumulate_part(self, sender_index, part_index, tensor_part, weight=1.0):
         return await super().accumulate_part(sender_index, part_index, tensor_part,
                                              0.0 if sender_index == self.victim else weight)
+
+    def check_current_part_finished(self):
+        if self.unlisted and self.victim in self.current_included:
+            self.current_included.remove(self.victim)
+        super().check_current_part_finished()
 
 
 class AuditedRogue(P2PTrainAverager):
@@ -525,21 +540,15 @@ class Auditor(DiLoCoOptimizer):
         super().__init__(*args, **kwargs, audit_parts=1000)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("lie", ["x1.5", "drop", "x1.5-served"])
-def test_a_reducer_whose_average_is_wrong_is_caught_by_an_audit_and_excluded_swarm_wide(swarm_key, tmp_path, capfd,
-                                                                                         logs_to_stderr, lie):
-    """A key holder in the first round's group answers, for its range, averages that pass every check of the round
-    (signed, plausible in size, with a receipt naming every sender's part as sent) but are wrong: x1.5, or without
-    one member's part. The honest peers audit its parts after the round, recompute them from the inputs it signed
-    for, exclude it, and average every later round without it. Their proof (the signed average, receipt and inputs)
-    convicts it on a newcomer that never met it, before that newcomer looks for state: inside their DHT records, or
-    ("-served") served by them on request, as a real model's proofs are (too large for the DHT)."""
+def shady_swarm(swarm_key, tmp_path, lie: str, served: bool = False):
+    """Two honest auditors and a ``ShadyReducer`` in the first round's group (3 syncs), then a newcomer that reads
+    the evidence while the honest peers still run (they serve the proofs that are not in the DHT; ``served``: none
+    is). Returns the honest parameters and histories, the newcomer's exclusions, the rogue's id and the honest ids."""
     dhts = honest_swarm(swarm_key)
     rogue_dht, _ = start_rogue(swarm_key, dhts, str(tmp_path / "rogue.key"))
     rogue_dht.auth = SwarmAuth.from_key(bytes.fromhex(swarm_key.read_text()))
-    me = rogue_dht.peer_id.to_base58()
-    stop, rogues, threads = threading.Event(), [], []
+    honest = [dht.peer_id.to_base58() for dht in dhts]
+    stop, rogues, threads, newcomer_bans = threading.Event(), [], [], []
 
     def attack(opts):
         rogue = AuditedRogue([torch.zeros_like(p) for p in make_deeper_model().parameters()], rogue_dht,
@@ -560,26 +569,14 @@ def test_a_reducer_whose_average_is_wrong_is_caught_by_an_audit_and_excluded_swa
             except Exception:
                 pass
 
-    ShadyReducer.lie = lie.removesuffix("-served")  # read in the rogue's averager process, forked below
-    AuditMixin.max_proof_bytes = 0 if lie.endswith("-served") else MAX_PROOF_BYTES  # in the honest ones, forked too
-    newcomer_bans = []
+    def newcomer_reads(_opts):  # while the honest peers run: they serve the proofs that are not in the DHT
+        newcomer_bans.extend(newcomer_reads_the_evidence(swarm_key, dhts))
 
-    def newcomer_reads_the_evidence(_opts):  # while the accusers run: they serve the proofs that are not in the DHT
-        newcomer_dht = start_dht(SwarmConfig(host_maddrs=[LOOPBACK], swarm_key_file=str(swarm_key),
-                                             initial_peers=[str(m) for m in dhts[0].get_visible_maddrs()]))
-        dhts.append(newcomer_dht)
-        newcomer = P2PTrainAverager([torch.zeros_like(p) for p in make_deeper_model().parameters()], newcomer_dht,
-                                    prefix=PREFIX, compression="fp16", request_timeout=1.0)
-        newcomer.start_in_background(30.0)
-        try:
-            newcomer.download_state(timeout_s=5.0)
-            newcomer_bans.extend(newcomer.banned_peers)
-        finally:
-            newcomer.shutdown()
-
+    ShadyReducer.lie = lie  # read in the rogue's averager process, forked below
+    AuditMixin.max_proof_bytes = 0 if served else MAX_PROOF_BYTES  # in the honest ones, forked too
     try:
         params, histories = train(dhts, before_rounds=attack, target_group_size=3, model=make_deeper_model,
-                                  classes=(Auditor, Auditor), after_rounds=newcomer_reads_the_evidence)
+                                  classes=(Auditor, Auditor), after_rounds=newcomer_reads, to_outer_step=True)
     finally:
         ShadyReducer.lie, AuditMixin.max_proof_bytes = "x1.5", MAX_PROOF_BYTES
         stop.set()
@@ -590,6 +587,21 @@ def test_a_reducer_whose_average_is_wrong_is_caught_by_an_audit_and_excluded_swa
         rogue_dht.shutdown()
         for dht in dhts:
             stop_dht(dht)
+    return params, histories, newcomer_bans, rogue_dht.peer_id.to_base58(), honest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lie", ["x1.5", "drop", "x1.5-served"])
+def test_a_reducer_whose_average_is_wrong_is_caught_by_an_audit_and_excluded_swarm_wide(swarm_key, tmp_path, capfd,
+                                                                                         logs_to_stderr, lie):
+    """A key holder in the first round's group answers, for its range, averages that pass every check of the round
+    (signed, plausible in size, with a receipt naming every sender's part as sent) but are wrong: x1.5, or without
+    one member's part. The honest peers audit its parts after the round, recompute them from the inputs it signed
+    for, exclude it, and average every later round without it. Their proof (the signed average, receipt and inputs)
+    convicts it on a newcomer that never met it, before that newcomer looks for state: inside their DHT records, or
+    ("-served") served by them on request, as a real model's proofs are (too large for the DHT)."""
+    _, histories, newcomer_bans, me, honest = shady_swarm(swarm_key, tmp_path, lie.removesuffix("-served"),
+                                                          served=lie.endswith("-served"))
     logs = capfd.readouterr().err
     caught = f"excluding peer {me} from this run for 600s: audited, part #"
     assert caught in logs and "it signed an average at distance" in logs, logs[-3000:]
@@ -600,10 +612,31 @@ def test_a_reducer_whose_average_is_wrong_is_caught_by_an_audit_and_excluded_swa
     for history in histories:
         assert [r.outer_step for r in history if r.averaged] == list(range(1, OUTER_STEPS + 1)), history
         assert not any(r.caught_up for r in history), history
-    accusers = {dht.peer_id.to_base58() for dht in dhts[:2]}
     assert newcomer_bans == [me], newcomer_bans
     assert any(f"excluding peer {me} from this run for 600s: peer {accuser} holds its signed average" in logs
-               for accuser in accusers), logs[-3000:]
+               for accuser in honest), logs[-3000:]
+
+
+@pytest.mark.slow
+def test_a_reducer_that_leaves_a_member_out_and_says_so_is_refused_by_that_member(swarm_key, tmp_path, capfd,
+                                                                                 logs_to_stderr):
+    """The same reducer leaves one honest member's part out of its averages and out of its receipt, as it would a
+    member that failed. That member finds its part missing from the first answer and refuses the range; the other
+    cannot tell it from a failure, and an audit finds the average consistent with what the receipt lists. Either the
+    refusal stops the victim's own range too and both run the round again without the rogue, or the other had all
+    its averages and committed, and the victim takes its state (the stated cost). Nothing proves the lie to a third
+    party: the newcomer excludes nobody. The honest peers end at the last outer step with the same parameters."""
+    params, histories, newcomer_bans, me, honest = shady_swarm(swarm_key, tmp_path, "drop-unlisted")
+    logs = capfd.readouterr().err
+    assert "returned an average that leaves this peer's part out" in logs, logs[-3000:]
+    assert f"excluding peer {me} from this run for 600s: as a reducer it returned an average that leaves" in logs
+    assert "audited, part #" not in logs
+    assert newcomer_bans == [], newcomer_bans
+    for got, expected in zip(params[1], params[0]):
+        assert torch.equal(got, expected), "the honest peers disagree"
+    assert sum(any(r.caught_up for r in h) for h in histories) <= 1, histories  # the victim, if the other committed
+    for history in histories:
+        assert history[-1].outer_step == OUTER_STEPS, history
 
 
 def test_a_peer_with_another_model_or_settings_is_refused_at_join():

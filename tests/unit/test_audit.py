@@ -188,3 +188,15 @@ def test_audits_never_pick_the_own_range_and_catch_a_full_cheat_as_stated():
     for _ in range(trials):
         caught += any(any(peer == 0 for peer, _ in choose_audits([3, 3, 3, 3], me, 1)) for me in (1, 2, 3))
     assert abs(caught / trials - (1 - (2 / 3) ** 3)) < 0.03
+
+
+def test_a_commitment_binds_every_field_of_the_part():
+    message = message_of(answer_of(torch.randn(512)))
+    base = commitment(message)
+    assert commitment(message_of(message.SerializeToString())) == base  # what the reducer parses: the same
+    for change in (lambda m: m.size.__setitem__(0, 256), lambda m: setattr(m, "dtype", "bfloat16"),
+                   lambda m: setattr(m, "compression", 0), lambda m: setattr(m, "requires_grad", True),
+                   lambda m: setattr(m, "chunks", 2), lambda m: setattr(m, "buffer", m.buffer[:-2] + b"\0\0")):
+        other = message_of(message.SerializeToString())
+        change(other)
+        assert commitment(other) != base

@@ -282,6 +282,22 @@ def test_a_mixing_cell_that_went_on_without_us_leaves_us_to_step_alone_not_behin
     assert plain.run(8.0, plain.position).kind is Outcome.BEHIND  # one group: anyone ahead is
 
 
+def test_a_mixing_peer_that_may_not_step_alone_takes_the_state_once_nobody_is_left_at_its_step():
+    """no_group_policy "wait" forbids the solo step that mixing groups take when the cell went on without us: with
+    the swarm a step ahead and nobody left at our outer step, nobody will ever average this round with us, so the
+    peer takes the state (it had looked for a group for ever, and the peer a step ahead waited for it as late: seen
+    when one member refused a reducer's range that the other member committed). With a peer still at our step, it
+    looks for its group as before."""
+    peers, step = list("AB"), 6
+    gone = Host([RoundOutlook(ahead=True, ready=[], late={}, next_step=["B"])], ["ok"], policy="wait",
+                outer_step=step, target_group_size=2, mixing=True)
+    outcome = gone.run(8.0, gone.position)
+    assert outcome.kind is Outcome.BEHIND and outcome.attempts == 0
+    company = Host([RoundOutlook(ahead=True, ready=["C"], late={}, next_step=["B"])], ["ok"], policy="wait",
+                   outer_step=step, target_group_size=2, mixing=True)
+    assert company.run(8.0, company.position).kind is Outcome.AVERAGED
+
+
 def test_without_mixing_the_cap_does_not_split_the_swarm_into_keys():
     host = Host([look(ready=["B", "C", "D"])], ["ok"], target_group_size=2)
     host.run(8.0, host.position)
