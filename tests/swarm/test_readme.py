@@ -447,7 +447,9 @@ def test_make_demo_and_its_figures(shell):
         assert float(low) - 0.03 <= w["final_eval_loss"] <= float(high) + 0.03, (w["final_eval_loss"], low, high)
         assert [r["group_size"] for r in w["rounds"]] == [int(group)] * w["outer_steps"]
         sent = sum(r["bytes_sent"] for r in w["rounds"]) / len(w["rounds"])
-        assert round(sent / 1000) == int(kb), sent
+        # the workers reduce different ranges, whose answers carry receipts of different sizes: their counts differ
+        # by a few hundred bytes (885,452 and 885,714), which can round to either side of a KB
+        assert abs(sent / 1000 - int(kb)) <= 1, sent
         assert (round(w["num_parameters"] / 1000), w["model"]) == (int(params), model)
     assert workers[0]["final_eval_loss"] == workers[1]["final_eval_loss"], "bit-identical peers, the same loss"
 
