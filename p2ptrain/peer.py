@@ -30,7 +30,7 @@ from p2ptrain.model_source import ModelSpec, build_from_spec, resolve_model
 from p2ptrain.observe import listen_problem
 from p2ptrain.observe.telemetry import Telemetry, TelemetryPublisher
 from p2ptrain.ranks import LocalRanks, PeerRanks, start_ranks
-from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht, visible_maddrs
+from p2ptrain.swarm.dht import DHTLost, DHTWatch, SwarmConfig, start_dht, stop_dht, visible_maddrs
 from p2ptrain.swarm.progress import ProgressPublisher, wait_for_peers
 from p2ptrain.swarm.reachability import connection_counts
 from p2ptrain.swarm.shards import claim_shard
@@ -150,6 +150,7 @@ class Worker:
             if metrics is not None:
                 metrics.close()
             raise
+        watch = DHTWatch(dht, self._dht_lost).start() if dht is not None else None
         try:
             publisher = self._join_swarm(dht, resumed, spec) if ranks.leader else None
             shard_index = ranks.broadcast(publisher.shard_index if publisher else None)
@@ -211,6 +212,8 @@ class Worker:
                              started=started, after_round=lambda: self._after_round(model, shards, evaluate),
                              evaluate=evaluate if train_cfg.eval_every else None, telemetry=self.telemetry)
             loop.run(model, batches, device)
+            if watch is not None and watch.lost:
+                self.report.stopped_by = "dht_lost"
             self._phase = "leaving"
             shards.flush()  # the last commit's data cursors, before the DHT goes
             # only on a normal exit (done or signalled): after an exception the state may be half-updated
@@ -224,11 +227,16 @@ class Worker:
             elif metrics is not None:
                 metrics.close()
             if dht is not None:
+                watch.stop()
                 stop_dht(dht)
             ranks.end()
             self.report.wall_s = time.monotonic() - started
             self._write_report()
         return self.report
+
+    def _dht_lost(self, line: str) -> None:
+        """The DHT process is gone (DHTWatch, which logged ``line``): leave as on a signal, with exit code 1."""
+        self.request_stop()
 
     def _join_swarm(self, dht, resumed: Optional[dict], spec: ModelSpec) -> ProgressPublisher:
         """Log who we are and how to reach us, and settle which data shard this peer trains on."""
@@ -420,6 +428,7 @@ def run_bootstrap(
         raise
     peer_id = dht.peer_id.to_base58()
     heartbeat = None
+    watch = DHTWatch(dht, lambda line: stop.set()).start()
     try:
         if dashboard is not None:
             from p2ptrain.observe.dashboard.server import DashboardServer
@@ -465,9 +474,12 @@ def run_bootstrap(
                 closing.close()
         if heartbeat is not None:
             heartbeat.stop("leaving")
+        watch.stop()
         stop_dht(dht)
         if heartbeat is not None:
             heartbeat.beat(phase="left", dht_alive=False)
+    if watch.lost:
+        raise DHTLost(watch.lost)
 
 
 SWARM_LOOK_S = 10.0

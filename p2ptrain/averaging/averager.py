@@ -38,6 +38,7 @@ from p2ptrain.averaging.sparse_round import SparseGatherMixin
 from p2ptrain.averaging.state_transfer import StateTransferMixin
 from p2ptrain.finite import all_finite
 from p2ptrain.lifeline import follow_parent, leave_process_group
+from p2ptrain.swarm.pipe import WholeMessageReader
 from p2ptrain.security import SwarmAuth
 
 logger = get_logger(__name__)
@@ -241,7 +242,17 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, EvidenceMixi
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         leave_process_group()  # signals meant for the host's group are not ours: the host shuts us down
         follow_parent()  # a SIGKILLed host must not leave this process behind
+        # its control pipe is read as the DHT's is (swarm/pipe.py: hivemind's reading breaks on a large message)
+        self._inner_pipe = WholeMessageReader(self._inner_pipe)
         super().run()
+
+    async def remove_p2p_handlers(self, p2p, *args, **kwargs) -> None:
+        # at shutdown: a p2pd that died with the DHT process (DHTWatch: the peer is leaving for that) holds no
+        # handler of ours any more, and hivemind would end the averager's thread with a traceback
+        try:
+            await super().remove_p2p_handlers(p2p, *args, **kwargs)
+        except (ConnectionError, OSError) as e:
+            logger.debug(f"could not remove the averager's handlers, p2pd is gone: {e!r}")
 
     def step(self, gather: Optional[Dict[str, Any]] = None, weight: Optional[float] = None, **kwargs):
         if weight is None:

@@ -67,6 +67,7 @@ def bootstrap(ctx: click.Context, maddrs_file: Optional[str], config_path: Optio
     from p2ptrain.config import expand_hostname
     from p2ptrain.observe import PortUnavailable
     from p2ptrain.peer import run_bootstrap
+    from p2ptrain.swarm.dht import DHTLost
     from p2ptrain.swarm.dht import SwarmError
 
     setup_hivemind_logging()
@@ -78,6 +79,8 @@ def bootstrap(ctx: click.Context, maddrs_file: Optional[str], config_path: Optio
                       dashboard=(dashboard_host, dashboard_port) if dashboard_port is not None else None)
     except (SwarmError, PortUnavailable) as e:
         raise BadInput(str(e)) from None
+    except DHTLost:  # said in one line already, as it happened; not the user's input: 1, not 2
+        sys.exit(1)
 
 
 @cli.command()
@@ -142,6 +145,8 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
         f"[{report.peer_id}] left after {report.outer_steps} outer steps ({report.stopped_by or 'data exhausted'}); "
         + losses
     )
+    if report.stopped_by == "dht_lost":  # DHTWatch said why; a supervisor restarts it
+        sys.exit(1)
 
 
 @cli.command()

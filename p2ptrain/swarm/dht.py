@@ -7,10 +7,11 @@ import multiprocessing.util
 import os
 import shutil
 import tempfile
+import threading
 import time
 from contextlib import suppress
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import hivemind
 from hivemind.p2p import P2P, P2PDaemonError
@@ -18,6 +19,7 @@ from hivemind.p2p import P2P, P2PDaemonError
 from p2ptrain.config import SwarmConfig, check_maddrs  # noqa: F401 (SwarmConfig lived here; importers use this path)
 from p2ptrain.hivemind_compat import check_hivemind, p2p_socket_maddrs
 from p2ptrain.lifeline import follow_parent, leave_process_group, on_forced_exit
+from p2ptrain.swarm.pipe import LockedWriter, PipeBroken, WholeMessageReader, process_alive
 from p2ptrain.swarm.admission import SwarmRefused, check_admission, serve_admission
 from p2ptrain.swarm.reachability import MODES, Reachability, SwarmUnreachable, decide, serve_probes
 from p2ptrain.security import (KeyFileError, PeerSignatureValidator, SwarmAuth, SwarmKeyValidator,
@@ -69,12 +71,24 @@ class FollowingDHT(hivemind.DHT):
     _socket_paths: List[str] = []
     """the unix sockets of the DHT process's P2P, learnt at start: stop_dht removes what the process left"""
 
+    def __init__(self, *args, start: bool = False, **kwargs):
+        super().__init__(*args, start=False, **kwargs)
+        # commands of any size, from any thread or forked process, and none that waits on a dead DHT process
+        # (swarm/pipe.py: hivemind's own reading of this pipe killed the process on a 300 KB record)
+        self._outer_pipe = LockedWriter(self._outer_pipe, reader_alive=lambda: process_alive(self.pid),
+                                        reader="the DHT process", on_closed=_fail_command)
+        if start:
+            self.run_in_background(await_ready=True)
+
     def run(self) -> None:
         leave_process_group()
         follow_parent()
         on_forced_exit(self._remove_own_sockets)
+        self._inner_pipe = WholeMessageReader(self._inner_pipe)
         try:
             super().run()
+        except PipeBroken as e:
+            logger.error(f"the DHT process stops: its command pipe cannot be read any further ({e})")
         finally:  # hivemind removes them on a clean shutdown only
             self._remove_own_sockets()
 
@@ -97,6 +111,17 @@ class FollowingDHT(hivemind.DHT):
             multiprocessing.util.Finalize(None, remove_files, args=(paths,), exitpriority=0)
             on_forced_exit(lambda: remove_files(paths))
         return p2p
+
+
+def _fail_command(command: tuple, error: Exception) -> bool:
+    """A DHT command (store, get, run_coroutine ...) that could not reach the DHT process ends with ``error`` in
+    its future, where every caller of a DHT call already handles failures; commands without one raise it."""
+    method, args, kwargs = command
+    future = kwargs.get("future")
+    if future is None:
+        return False
+    future.set_exception(error)
+    return True
 
 
 _replicas_seen: dict = {}
@@ -221,6 +246,44 @@ def visible_maddrs(dht: hivemind.DHT) -> List[str]:
     """Addresses others can use as --initial-peers, loopback last (it only works on this host)."""
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
     return sorted(maddrs, key=lambda m: ("/127.0.0.1/" in m or "/::1/" in m, m))
+
+
+class DHTLost(RuntimeError):
+    """The peer's DHT process died; DHTWatch logged why. The CLI exits with 1."""
+
+
+class DHTWatch:
+    """Notices within ``poll_s`` that a peer's DHT process is gone (killed, or stopped on a pipe it could not
+    read), says so in one line and calls ``on_lost(line)`` once: without its DHT a peer sees no other peer, and
+    would otherwise wait for rounds that never come or train on alone. ``stop()`` before shutting the DHT down."""
+
+    def __init__(self, dht: hivemind.DHT, on_lost: Callable[[str], None], poll_s: float = 1.0):
+        self.dht, self.on_lost, self.poll_s = dht, on_lost, poll_s
+        self.lost: Optional[str] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="p2ptrain-dht-watch", daemon=True)
+
+    def start(self) -> "DHTWatch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.poll_s + 5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            if self.dht.is_alive():
+                continue
+            if self._stop.is_set():  # shut down on purpose meanwhile
+                return
+            self.lost = (f"the DHT process (pid {self.dht.pid}) exited with code {self.dht.exitcode}: this peer can "
+                         "no longer reach the swarm, so it leaves now; start it again (with --resume to continue "
+                         "from its checkpoint)")
+            logger.error(self.lost)
+            self.on_lost(self.lost)
+            return
 
 
 def stop_dht(dht: hivemind.DHT) -> None:

@@ -132,3 +132,34 @@ def test_a_library_script_leaves_no_process_or_socket(tmp_path: Path, ending: st
     assert any("p2pclient" in s for s in sockets), sockets  # the averager's and the DHT's, at least
     left = sorted(s for s in sockets if os.path.exists(s))
     assert not left, f"the script left hivemind sockets behind: {left}"
+
+
+def test_a_worker_whose_dht_process_dies_says_so_and_leaves_nothing_behind(tmp_path: Path):
+    """A peer's DHT process can die under it (issue 40: hivemind's pipe killed it on a 300 KB record; a kill, the
+    OOM killer). Without it the peer sees no other peer and would wait for ever in matchmaking, as this lone worker
+    under no_group_policy=wait does: it must notice within a round, say so in one line, and leave (exit 1, for a
+    supervisor to restart it) with its checkpoint written, its other processes and sockets gone."""
+    from tests.helpers import LOOPBACK as HOST, exit_code, spawn, wait_until
+
+    log, checkpoints = tmp_path / "worker.log", tmp_path / "ckpt"
+    proc = spawn("join", "--host-maddrs", HOST, "--run-id", "dht-lost", "--local-steps", "3", "--no-group-policy",
+                 "wait", "--matchmaking-time", "2", "--threads", "1", "--no-progress", "--shard-index", "0",
+                 "--checkpoint-dir", str(checkpoints), log=log)
+    try:
+        wait_until(lambda: "waiting for peers" in log.read_text(), "the worker waiting in its first sync", 90, [("worker", proc)])
+        tree = _tree(psutil.Process(proc.pid))
+        sockets = set().union(*(_sockets_of(p) for p in tree))
+        dht = [p for p in tree[1:] if any(child.name() == "p2pd" for child in p.children())]
+        assert len(dht) == 1 and sockets, (tree, sockets)
+        dht[0].kill()
+        assert exit_code(proc, 60, log) == 1, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert f"the DHT process (pid {dht[0].pid}) exited with code -9: this peer can no longer reach the swarm" in text
+    assert "left after 0 outer steps (dht_lost)" in text and "Traceback" not in text, text
+    assert (checkpoints / "dht-lost.pt").exists(), text
+    _, alive = psutil.wait_procs(tree[1:], timeout=10)
+    assert not [p for p in alive if p.is_running()], alive
+    assert not [path for path in sockets if os.path.exists(path)]
