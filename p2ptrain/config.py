@@ -51,6 +51,8 @@ LR_SCHEDULES = ("constant", "cosine", "linear")
 """schedules.py's inner learning-rate schedules after the warm-up"""
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 """train_loop.py's autocast modes; auto: bf16 on CUDA, fp32 on CPU"""
+MAX_RUN_ID_CHARS = 64
+"""a run id is part of every record peers store (swarm/pipe.py: RECORD_MAX_BYTES bounds them)"""
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -544,8 +546,10 @@ def validate(config: RunConfig) -> None:
         if not ok:
             raise ConfigError(message)
 
-    need(bool(config.run_id) and "." not in config.run_id and " " not in config.run_id,
-         f"run_id {config.run_id!r} must be non-empty without dots or spaces; e.g. --run-id exp1")
+    need(bool(config.run_id) and "." not in config.run_id and " " not in config.run_id
+         and len(config.run_id) <= MAX_RUN_ID_CHARS,
+         f"run_id {config.run_id[:80]!r}{'...' if len(config.run_id) > 80 else ''} must be 1-{MAX_RUN_ID_CHARS} "
+         "characters without dots or spaces; e.g. --run-id exp1")
     need(len(d.inner_betas) == 2, f"diloco.inner_betas must be two numbers in [0, 1), got {d.inner_betas}")
     need(d.target_group_size is None or d.target_group_size >= d.min_group_size,
          "diloco.target_group_size must be at least diloco.min_group_size")

@@ -32,6 +32,7 @@ import asyncio
 import hashlib
 import math
 import struct
+from contextlib import suppress
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -48,6 +49,7 @@ from p2ptrain.finite import all_finite
 from p2ptrain.hivemind_compat import p2p_of
 from p2ptrain.proto import p2ptrain_pb2
 from p2ptrain.security import _RSA_PADDING, peer_id_of
+from p2ptrain.swarm.pipe import RECORD_MAX_BYTES
 
 DOMAIN = b"p2ptrain-average-9"
 EVIDENCE_POLL_S = 5.0
@@ -55,8 +57,11 @@ EVIDENCE_POLL_S = 5.0
 MAX_ITEMS = 4
 """signed averages an accuser keeps in its record (its most recent)"""
 MAX_AVERAGE_BYTES = 1 << 20
-"""a signed average (with an audit's inputs) larger than this is not stored as evidence (the DHT is not for
-megabytes); parts are 512 KiB"""
+"""a signed average (with an audit's inputs) larger than this is not kept as evidence; parts are 512 KiB"""
+MAX_RECORD_BYTES = RECORD_MAX_BYTES
+"""the most an accuser's evidence record (all its items) takes in the DHT (swarm/pipe.py: why). Items that do not
+fit go in as summaries (``item_digest``) and their accuser serves them whole (``rpc_audit_proof``): an average of
+a real model's 512 KiB part never goes through the DHT"""
 JUDGE_FACTOR = 10.0
 BAN_S = 600.0
 PROOF_TIMEOUT_S = 30.0
@@ -148,6 +153,27 @@ def _verify(reducer: bytes, public_key: bytes, signature: bytes, signed: bytes, 
         return False
 
 
+def summary(item: bytes) -> p2ptrain_pb2.SignedAverage:
+    """What of a whole item (a serialized ``SignedAverage``) goes in the DHT when it is too large: who and what it
+    accuses, and its digest; the accuser serves the item itself."""
+    whole = p2ptrain_pb2.SignedAverage.FromString(item)
+    return p2ptrain_pb2.SignedAverage(reducer=whole.reducer, group_id=whole.group_id, part_index=whole.part_index,
+                                      reason=whole.reason, item_digest=hashlib.sha256(item).digest())
+
+
+def evidence_record(items: Sequence[bytes], max_bytes: int = MAX_RECORD_BYTES) -> bytes:
+    """An accuser's serialized ``Evidence`` record of ``items`` (whole ones, oldest first), under ``max_bytes``:
+    every item as a summary, then as many whole as fit, the most recent first."""
+    wholes = [p2ptrain_pb2.SignedAverage.FromString(item) for item in items]
+    chosen = [summary(item) for item in items]
+    used = sum(c.ByteSize() + 8 for c in chosen)  # 8: an item's tag and length, with room to spare
+    for index in reversed(range(len(items))):
+        extra = wholes[index].ByteSize() - chosen[index].ByteSize()
+        if used + extra <= max_bytes:
+            chosen[index], used = wholes[index], used + extra
+    return p2ptrain_pb2.Evidence(items=chosen).SerializeToString()
+
+
 def signed_by_reducer(item: p2ptrain_pb2.SignedAverage) -> bool:
     """Whether the reducer the item names signed its average and receipt (its public key hashes to its peer id)."""
     try:
@@ -211,6 +237,7 @@ class EvidenceMixin:
         self._evidence_task = None
         self._own_rms_last: Optional[float] = None  # RMS of our last contribution to a round: the judge's scale
         self._proofs: Dict[bytes, List[bytes]] = {}  # digest of one of our items -> the audit inputs we serve for it
+        self._whole_items: Dict[bytes, bytes] = {}  # digest of one of our items -> the item, served to its readers
         self._proof_tries: Dict[bytes, int] = {}  # digest of another's item -> times its served inputs did not come
 
     def _report_bad_average(self, group_id: bytes, reducer: PeerID, part_index: int, message, reason: str,
@@ -223,14 +250,13 @@ class EvidenceMixin:
         self._evidence_items = [*self._evidence_items, item][-MAX_ITEMS:]
         if serve:
             self._proofs[hashlib.sha256(item).digest()] = list(serve)
-        kept = {hashlib.sha256(i).digest() for i in self._evidence_items}
-        self._proofs = {digest: proof for digest, proof in self._proofs.items() if digest in kept}
+        self._whole_items = {hashlib.sha256(i).digest(): i for i in self._evidence_items}
+        self._proofs = {digest: proof for digest, proof in self._proofs.items() if digest in self._whole_items}
         asyncio.create_task(self._store_evidence())
 
     async def _store_evidence(self) -> None:
         try:
-            value = p2ptrain_pb2.Evidence(
-                items=[p2ptrain_pb2.SignedAverage.FromString(i) for i in self._evidence_items]).SerializeToString()
+            value = evidence_record(self._evidence_items)
             await self.dht.store(evidence_key(self.prefix), value, get_dht_time() + BAN_S,
                                  subkey=self.peer_id.to_bytes(), return_future=True)
         except Exception as e:  # the DHT is shutting down, or unreachable: our own exclusion still stands
@@ -261,7 +287,7 @@ class EvidenceMixin:
             except Exception:
                 continue  # a malformed record convicts nobody
             for item in items:
-                digest = hashlib.sha256(item.SerializeToString()).digest()
+                digest = item.item_digest or hashlib.sha256(item.SerializeToString()).digest()
                 if accuser == self.peer_id or digest in self._evidence_seen:
                     continue
                 try:
@@ -272,6 +298,10 @@ class EvidenceMixin:
                 if reducer == self.peer_id or self.is_banned(reducer):
                     self._evidence_seen.add(digest)
                     continue
+                if item.item_digest:  # a summary: the accuser serves the item
+                    item = await self._fetch_whole_item(accuser, digest, reducer)
+                    if item is None:
+                        continue  # asked again at the next read, a few times
                 if item.inputs_served and not item.inputs and signed_by_reducer(item):
                     inputs = await self._fetch_proof(accuser, digest, item)
                     if inputs is None:
@@ -282,6 +312,32 @@ class EvidenceMixin:
                 if reason:
                     self.ban(reducer, f"peer {accuser} holds its signed average of part #{item.part_index} of a "
                                       f"group: {reason}")
+
+    async def _fetch_whole_item(self, accuser: PeerID, digest: bytes,
+                                reducer: PeerID) -> Optional[p2ptrain_pb2.SignedAverage]:
+        """The whole item an accuser's summary names; None if it did not come (after ``PROOF_TRIES`` reads that
+        failed so, or at once if what came is not that item, the summary is set aside: it convicts nobody)."""
+        try:
+            stub = self.get_stub(p2p_of(self), accuser, namespace=self.prefix)
+            request = p2ptrain_pb2.ProofRequest(item=digest, whole_item=True, admission=self.auth.token(self.peer_id))
+            reply = await asyncio.wait_for(stub.rpc_audit_proof(request), PROOF_TIMEOUT_S)
+            if not reply.available:
+                raise LookupError("the accuser no longer serves it")
+        except Exception as e:
+            tries = self._proof_tries[digest] = self._proof_tries.get(digest, 0) + 1
+            logger.debug(f"could not fetch peer {accuser}'s evidence item ({tries}): {e!r}")
+            if tries >= PROOF_TRIES:
+                self._evidence_seen.add(digest)
+            return None
+        item = None
+        if hashlib.sha256(reply.tensor_part).digest() == digest:
+            with suppress(Exception):
+                item = p2ptrain_pb2.SignedAverage.FromString(reply.tensor_part)
+        if item is None or item.reducer != reducer.to_bytes() or item.item_digest:
+            logger.debug(f"peer {accuser} served another item than its evidence record names")
+            self._evidence_seen.add(digest)
+            return None
+        return item
 
     async def _fetch_proof(self, accuser: PeerID, digest: bytes,
                            item: p2ptrain_pb2.SignedAverage) -> Optional[List[bytes]]:
@@ -309,7 +365,13 @@ class EvidenceMixin:
 
     async def rpc_audit_proof(self, request: p2ptrain_pb2.ProofRequest,
                               context: P2PContext) -> p2ptrain_pb2.AuditInput:
-        """One input of an audit proof of ours (``_report_bad_average`` with ``serve``), to a peer of the swarm."""
+        """One input of an audit proof of ours (``_report_bad_average`` with ``serve``), or with ``whole_item`` one
+        of our evidence items whole, to a peer of the swarm."""
+        if request.whole_item:
+            item = self._whole_items.get(request.item)
+            if item is None or not self.auth.admits(context.remote_id, request.admission):
+                return p2ptrain_pb2.AuditInput(available=False)
+            return p2ptrain_pb2.AuditInput(available=True, tensor_part=item)
         proof = self._proofs.get(request.item)
         if proof is None or request.sender_index >= len(proof) or not self.auth.admits(context.remote_id,
                                                                                        request.admission):

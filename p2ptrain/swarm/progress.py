@@ -103,10 +103,25 @@ def _shown(name: str, value) -> str:
     return repr(value)
 
 
+TEXT_MAX_CHARS = 200
+"""a record's free-text fields (model, data, reachability, sync schedule) are cut to this many characters, so that
+the record stays under RECORD_MAX_BYTES whatever a user names things (tests/unit/test_record_bounds.py)"""
+MAX_LEFT_SHARDS = 512
+"""the most ``left_shards`` a record lists (a phase that ran through more shards than this claims its last ones)"""
+_TEXT_FIELDS = ("model", "data", "reachability", "sync_schedule", "compression")
+
+
+def clip_text(fields: dict) -> dict:
+    """``fields`` with its free-text values cut to ``TEXT_MAX_CHARS``, as a record carries them."""
+    return {name: value[:TEXT_MAX_CHARS] if name in _TEXT_FIELDS and isinstance(value, str) else value
+            for name, value in fields.items()}
+
+
 def check_run_settings(mine: dict, records: List[PeerProgress], run_id: str) -> None:
     """Raise RunMismatch if ``mine`` (SETTINGS -> value; a value may be missing or None where this peer does not
     know it) differs from what most live peers publish. The message names each difference in words, with the value
     on each side, in one line."""
+    mine = clip_text(mine)  # as the others' records carry it
     others = [_record_settings(r) for r in records if r.params_schema]  # peers before protocol 3 publish none
     if not others:
         return
@@ -244,10 +259,9 @@ class ProgressPublisher:
             samples_since_sync=samples_since_sync,
             step_s=step_s,
             client_mode=self.client_mode,
-            reachability=self.reachability,
             shard_index=self.shard_index,
-            left_shards=self.left_shards,
-            **self.settings,
+            left_shards=self.left_shards[-MAX_LEFT_SHARDS:],
+            **clip_text(dict(self.settings, reachability=self.reachability)),
         )
         stored = self._store(record.SerializeToString(), get_dht_time() + self.expiration_s)
         self._last_published = time.monotonic()

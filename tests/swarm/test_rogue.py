@@ -37,6 +37,7 @@ from p2ptrain.averaging.reducer import Reducer
 from p2ptrain.proto import p2ptrain_pb2
 from p2ptrain.security import PeerSignatureValidator, SwarmAuth, SwarmKeyValidator, generate_swarm_key, load_identity
 from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht
+from p2ptrain.swarm.pipe import RECORD_MAX_BYTES
 from p2ptrain.swarm.progress import ProgressPublisher, RunMismatch, fetch_progress, progress_key
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
@@ -65,6 +66,14 @@ def make_deeper_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
                                torch.nn.Linear(16, 4))
+
+
+def make_wide_model() -> torch.nn.Module:
+    """806K parameters: a group of 3 cuts each member's range into parts of up to 512 KiB of fp16 (a real model's
+    size of part), whose signed averages are evidence too large for the DHT."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 768),
+                               torch.nn.Tanh(), torch.nn.Linear(768, 4))
 
 
 class _Fd2Handler(logging.Handler):
@@ -366,13 +375,13 @@ def test_key_holders_sending_poison_change_nothing(swarm_key, alone, poisons, tm
         assert f"excluding peer {rogue_dht.peer_id} from this run" in logs, "a rogue was never caught"
 
 
-def newcomer_reads_the_evidence(swarm_key, dhts) -> list:
+def newcomer_reads_the_evidence(swarm_key, dhts, model=make_deeper_model) -> list:
     """A newcomer joins (its DHT is added to ``dhts``), looks for state, and returns whom it excluded first: the
     evidence records are read before any donor is listed."""
     newcomer_dht = start_dht(SwarmConfig(host_maddrs=[LOOPBACK], swarm_key_file=str(swarm_key),
                                          initial_peers=[str(m) for m in dhts[0].get_visible_maddrs()]))
     dhts.append(newcomer_dht)
-    newcomer = P2PTrainAverager([torch.zeros_like(p) for p in make_deeper_model().parameters()], newcomer_dht,
+    newcomer = P2PTrainAverager([torch.zeros_like(p) for p in model().parameters()], newcomer_dht,
                                 prefix=PREFIX, compression="fp16", request_timeout=1.0)
     newcomer.start_in_background(30.0)
     try:
@@ -403,9 +412,10 @@ RogueReducer.__name__ = SERVICER
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("poison", [1e30, float("nan")], ids=["x1e30", "nan"])
+@pytest.mark.parametrize("poison, model", [(1e30, make_deeper_model), (float("nan"), make_deeper_model),
+                                           (float("nan"), make_wide_model)], ids=["x1e30", "nan", "nan-512KiB"])
 def test_a_caught_reducer_costs_no_round_and_its_records_stop_counting(swarm_key, tmp_path, capfd, logs_to_stderr,
-                                                                       poison):
+                                                                       poison, model):
     """A key holder in the first round's group sends honest (zero) parts but answers averages x1e30 (or NaN) for
     its range.
     Both honest peers catch it and exclude it; it then stores progress records claiming the swarm is 3 outer steps
@@ -413,7 +423,12 @@ def test_a_caught_reducer_costs_no_round_and_its_records_stop_counting(swarm_key
     every round together and end bit-identical to the run without it, take no state, and never step alone.
 
     Their evidence (its signed averages, evidence.py) reaches a newcomer that never met it: a NaN average convicts it
-    there (proven), an x1e30 one does not (judged against the verifier's own contribution, which a newcomer lacks)."""
+    there (proven), an x1e30 one does not (judged against the verifier's own contribution, which a newcomer lacks).
+    With a model of 512 KiB parts ("512KiB"), each signed average is too large for the DHT: every evidence record
+    stays under RECORD_MAX_BYTES with its items as summaries, the honest peers' DHT processes live through it (one
+    that stored such an average whole died, issue 40), and the newcomer, reading while they still run, fetches the
+    items from them and convicts."""
+    wide = model is make_wide_model
     dhts = honest_swarm(swarm_key)
     rogue_dht, _ = start_rogue(swarm_key, dhts, str(tmp_path / "rogue.key"))
     rogue_dht.auth = SwarmAuth.from_key(bytes.fromhex(swarm_key.read_text()))  # its averager's admission tokens
@@ -422,7 +437,7 @@ def test_a_caught_reducer_costs_no_round_and_its_records_stop_counting(swarm_key
 
     def attack(opts):
         honest.extend(opts)
-        zeros = [torch.zeros_like(p) for p in make_deeper_model().parameters()]
+        zeros = [torch.zeros_like(p) for p in model().parameters()]
         rogue = RogueReducer(zeros, rogue_dht, prefix=PREFIX, compression="fp16", target_group_size=3,
                              min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=5.0,
                              next_chunk_timeout=2.5)
@@ -454,13 +469,22 @@ def test_a_caught_reducer_costs_no_round_and_its_records_stop_counting(swarm_key
                 lied.set()
             time.sleep(0.1)
 
-    PoisonedReducer.poison = poison  # read in the rogue's averager process, forked below
-    newcomer_bans = []
-    try:
-        params, histories = train(dhts, before_rounds=attack, target_group_size=3, model=make_deeper_model)
+    def read_evidence(_opts=None):
         # a newcomer that never met the rogue reads the honest peers' evidence before it looks for state: it
         # excludes the rogue (whose averager still declares a state) on their proof alone
-        newcomer_bans.extend(newcomer_reads_the_evidence(swarm_key, dhts))
+        newcomer_bans.extend(newcomer_reads_the_evidence(swarm_key, dhts, model))
+
+    PoisonedReducer.poison = poison  # read in the rogue's averager process, forked below
+    newcomer_bans, records, alive = [], {}, []
+    try:
+        # a summary's item is served by its accuser: the newcomer reads while the honest peers still run
+        params, histories = train(dhts, before_rounds=attack, target_group_size=3, model=model,
+                                  after_rounds=read_evidence if wide else None)
+        if not wide:
+            read_evidence()
+        alive.extend(dht.is_alive() for dht in dhts[:2])
+        found = dhts[0].get(f"{PREFIX}_evidence", latest=True)
+        records.update(found.value if found is not None else {})
     finally:
         PoisonedReducer.poison = 1e30
         stop.set()
@@ -472,6 +496,12 @@ def test_a_caught_reducer_costs_no_round_and_its_records_stop_counting(swarm_key
         for dht in dhts:
             stop_dht(dht)
     logs = capfd.readouterr().err
+    assert alive == [True, True], logs[-3000:]
+    assert len(records) == 2 and all(len(entry.value) <= RECORD_MAX_BYTES for entry in records.values()), \
+        {subkey: len(entry.value) for subkey, entry in records.items()}
+    summarized = [bool(item.item_digest) for entry in records.values()
+                  for item in p2ptrain_pb2.Evidence.FromString(entry.value).items]
+    assert summarized and all(summarized) == wide and any(summarized) == wide, summarized
     assert lied.is_set(), [[(r.outer_step, r.group_size, r.averaged, r.caught_up) for r in h] for h in histories]
     assert f"excluding peer {me} from this run" in logs and "as a reducer it returned" in logs, logs[-3000:]
     for history in histories:
@@ -484,9 +514,9 @@ def test_a_caught_reducer_costs_no_round_and_its_records_stop_counting(swarm_key
         assert newcomer_bans == [me] and convicted, (newcomer_bans, logs[-3000:])
     else:
         assert newcomer_bans == [] and not convicted, newcomer_bans
-    alone = run_alone(swarm_key, 2, make_deeper_model)
+    alone = run_alone(swarm_key, 2, model)
     assert_same_as_alone(params, histories, alone, rogue_group_sizes=(2, 3))
-    if os.environ.get("P2PTRAIN_ATTACK_REPORT"):  # the benchmark: compare with the same matchmaking waits
+    if os.environ.get("P2PTRAIN_ATTACK_REPORT") and not wide:  # the benchmark: compare with the same matchmaking waits
         record_cost(f"with key: reducer answers {'NaN' if math.isnan(poison) else 'x1e30'}, then records 3 steps "
                     "ahead", histories,
                     run_alone(swarm_key, 3, make_deeper_model),
