@@ -3,6 +3,8 @@ against p2ptrain's FollowingDHT (swarm/pipe.py), a store per value size, ``--tri
 Prints per size the stores that landed and the DHT processes that died; a dead DHT is replaced for the next trial.
 
     python benchmarks/bench_dht_pipe.py [--trials 10] [--sizes 1000 15000 16000 17000 70000 300000 1000000]
+
+Then the median round trip of a small get through each (what the whole-message pipe costs a command).
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import statistics
 import sys
+import time
 
 import hivemind
 from hivemind.utils import get_dht_time
@@ -69,9 +73,27 @@ def main() -> None:
                 landed, died = landed + ok, died + dead
             cells.append(f"{f'{landed}/{args.trials}':>20} {died:>5}")
         print(f"{size:>12,} " + " ".join(cells), flush=True)
+    # what the whole-message pipe costs a command: a get of a small local value, round trip through both pipes
+    cells = []
+    for name, make in makers.items():
+        if dhts[name] is None or not dhts[name].is_alive():
+            dhts[name] = make()
+        cells.append(f"{latency_ms(dhts[name]):>17.3f} ms {'':>5}")
+    print(f"{'get of 100 B':>12} " + " ".join(cells), flush=True)
     for dht in dhts.values():
         if dht is not None:
             stop_dht(dht)
+
+
+def latency_ms(dht, calls: int = 300) -> float:
+    """The median milliseconds of a get of a small value the DHT holds locally."""
+    dht.store("small", b"x" * 100, get_dht_time() + 60)
+    times = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        dht.get("small", latest=False)
+        times.append(time.perf_counter() - started)
+    return 1000 * statistics.median(times)
 
 
 if __name__ == "__main__":

@@ -134,6 +134,7 @@ def test_a_library_script_leaves_no_process_or_socket(tmp_path: Path, ending: st
     assert not left, f"the script left hivemind sockets behind: {left}"
 
 
+@pytest.mark.slow  # 12 s on 2 cores, a whole worker: `make test-slow` (CI runs it)
 def test_a_worker_whose_dht_process_dies_says_so_and_leaves_nothing_behind(tmp_path: Path):
     """A peer's DHT process can die under it (issue 40: hivemind's pipe killed it on a 300 KB record; a kill, the
     OOM killer). Without it the peer sees no other peer and would wait for ever in matchmaking, as this lone worker
