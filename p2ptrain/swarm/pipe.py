@@ -7,8 +7,8 @@ set the read end non-blocking (``uv_poll_init``), and ``Connection.recv`` then r
 body), and one of over the pipe's 64 KiB in many as the reader drains it; a reader that gets ahead of the writer
 gets ``BlockingIOError`` (EAGAIN) mid-message. hivemind logs it and reads on from the middle of the message: the
 next "size" is pickle bytes, and the process dies (``EOFError: Ran out of input``) or hangs on a size of gigabytes.
-With hivemind 1.1.12 alone (``benchmarks/bench_dht_pipe.py``): a store of 16 KB always lands, one of 17-70 KB
-sometimes does not, one of 300 KB or more almost never. Two writers (the host's threads, the averager process: a
+With hivemind 1.1.12 alone (``benchmarks/bench_dht_pipe.py``, docs/bench/2026-11-27-dht-pipe): a value of 15,000
+bytes always lands, one of 16,000-70,000 bytes 3-9 times in 10, one of 300 KB or 1 MB 0-9 times in 10. Two writers (the host's threads, the averager process: a
 fork that inherits the DHT object) can also interleave the halves of their messages.
 
 So both ends are replaced (``FollowingDHT``, ``PseudoGradientAverager``):
