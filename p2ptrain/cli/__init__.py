@@ -67,8 +67,7 @@ def bootstrap(ctx: click.Context, maddrs_file: Optional[str], config_path: Optio
     from p2ptrain.config import expand_hostname
     from p2ptrain.observe import PortUnavailable
     from p2ptrain.peer import run_bootstrap
-    from p2ptrain.swarm.dht import DHTLost
-    from p2ptrain.swarm.dht import SwarmError
+    from p2ptrain.swarm.dht import DHTLost, SwarmError
 
     setup_hivemind_logging()
     stop = threading.Event()
