@@ -78,7 +78,7 @@ class FollowingDHT(hivemind.DHT):
         self._outer_pipe = LockedWriter(self._outer_pipe, reader_alive=lambda: process_alive(self.pid),
                                         reader="the DHT process", on_closed=_fail_command)
         if start:
-            self.run_in_background(await_ready=True)
+            self.run_in_background(await_ready=kwargs.get("await_ready", True))
 
     def run(self) -> None:
         leave_process_group()
