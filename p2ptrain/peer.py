@@ -150,7 +150,8 @@ class Worker:
             if metrics is not None:
                 metrics.close()
             raise
-        watch = DHTWatch(dht, self._dht_lost).start() if dht is not None else None
+        # the DHT process gone: leave as on a signal (DHTWatch said why; the CLI exits with 1)
+        watch = DHTWatch(dht, lambda line: self.request_stop()).start() if dht is not None else None
         try:
             publisher = self._join_swarm(dht, resumed, spec) if ranks.leader else None
             shard_index = ranks.broadcast(publisher.shard_index if publisher else None)
@@ -233,10 +234,6 @@ class Worker:
             self.report.wall_s = time.monotonic() - started
             self._write_report()
         return self.report
-
-    def _dht_lost(self, line: str) -> None:
-        """The DHT process is gone (DHTWatch, which logged ``line``): leave as on a signal, with exit code 1."""
-        self.request_stop()
 
     def _join_swarm(self, dht, resumed: Optional[dict], spec: ModelSpec) -> ProgressPublisher:
         """Log who we are and how to reach us, and settle which data shard this peer trains on."""

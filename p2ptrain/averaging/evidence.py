@@ -58,10 +58,6 @@ MAX_ITEMS = 4
 """signed averages an accuser keeps in its record (its most recent)"""
 MAX_AVERAGE_BYTES = 1 << 20
 """a signed average (with an audit's inputs) larger than this is not kept as evidence; parts are 512 KiB"""
-MAX_RECORD_BYTES = RECORD_MAX_BYTES
-"""the most an accuser's evidence record (all its items) takes in the DHT (swarm/pipe.py: why). Items that do not
-fit go in as summaries (``item_digest``) and their accuser serves them whole (``rpc_audit_proof``): an average of
-a real model's 512 KiB part never goes through the DHT"""
 JUDGE_FACTOR = 10.0
 BAN_S = 600.0
 PROOF_TIMEOUT_S = 30.0
@@ -161,9 +157,11 @@ def summary(item: bytes) -> p2ptrain_pb2.SignedAverage:
                                       reason=whole.reason, item_digest=hashlib.sha256(item).digest())
 
 
-def evidence_record(items: Sequence[bytes], max_bytes: int = MAX_RECORD_BYTES) -> bytes:
-    """An accuser's serialized ``Evidence`` record of ``items`` (whole ones, oldest first), under ``max_bytes``:
-    every item as a summary, then as many whole as fit, the most recent first."""
+def evidence_record(items: Sequence[bytes], max_bytes: int = RECORD_MAX_BYTES) -> bytes:
+    """An accuser's serialized ``Evidence`` record of ``items`` (whole ones, oldest first), under ``max_bytes``
+    (swarm/pipe.py: why): every item as a summary, then as many whole as fit, the most recent first. The accuser
+    serves the items that went in as summaries (``rpc_audit_proof``): a real model's 512 KiB average never goes
+    through the DHT."""
     wholes = [p2ptrain_pb2.SignedAverage.FromString(item) for item in items]
     chosen = [summary(item) for item in items]
     used = sum(c.ByteSize() + 8 for c in chosen)  # 8: an item's tag and length, with room to spare
@@ -318,11 +316,7 @@ class EvidenceMixin:
         """The whole item an accuser's summary names; None if it did not come (after ``PROOF_TRIES`` reads that
         failed so, or at once if what came is not that item, the summary is set aside: it convicts nobody)."""
         try:
-            stub = self.get_stub(p2p_of(self), accuser, namespace=self.prefix)
-            request = p2ptrain_pb2.ProofRequest(item=digest, whole_item=True, admission=self.auth.token(self.peer_id))
-            reply = await asyncio.wait_for(stub.rpc_audit_proof(request), PROOF_TIMEOUT_S)
-            if not reply.available:
-                raise LookupError("the accuser no longer serves it")
+            served = await self._served_by(accuser, p2ptrain_pb2.ProofRequest(item=digest, whole_item=True))
         except Exception as e:
             tries = self._proof_tries[digest] = self._proof_tries.get(digest, 0) + 1
             logger.debug(f"could not fetch peer {accuser}'s evidence item ({tries}): {e!r}")
@@ -330,9 +324,9 @@ class EvidenceMixin:
                 self._evidence_seen.add(digest)
             return None
         item = None
-        if hashlib.sha256(reply.tensor_part).digest() == digest:
+        if hashlib.sha256(served).digest() == digest:
             with suppress(Exception):
-                item = p2ptrain_pb2.SignedAverage.FromString(reply.tensor_part)
+                item = p2ptrain_pb2.SignedAverage.FromString(served)
         if item is None or item.reducer != reducer.to_bytes() or item.item_digest:
             logger.debug(f"peer {accuser} served another item than its evidence record names")
             self._evidence_seen.add(digest)
@@ -345,23 +339,25 @@ class EvidenceMixin:
         (after ``PROOF_TRIES`` reads that failed so, [] : the item is judged without them and convicts nobody)."""
         try:
             receipt = p2ptrain_pb2.Receipt.FromString(item.receipt)
-            stub = self.get_stub(p2p_of(self), accuser, namespace=self.prefix)
             inputs = []
             for index, committed in enumerate(receipt.commitments[:MAX_SENDERS]):
-                if not committed:
-                    inputs.append(b"")
-                    continue
-                request = p2ptrain_pb2.ProofRequest(item=digest, sender_index=index,
-                                                    admission=self.auth.token(self.peer_id))
-                reply = await asyncio.wait_for(stub.rpc_audit_proof(request), PROOF_TIMEOUT_S)
-                if not reply.available:
-                    raise LookupError("the accuser no longer serves it")
-                inputs.append(reply.tensor_part)
+                request = p2ptrain_pb2.ProofRequest(item=digest, sender_index=index)
+                inputs.append(await self._served_by(accuser, request) if committed else b"")
             return inputs
         except Exception as e:
             tries = self._proof_tries[digest] = self._proof_tries.get(digest, 0) + 1
             logger.debug(f"could not fetch the inputs of peer {accuser}'s audit proof ({tries}): {e!r}")
             return [] if tries >= PROOF_TRIES else None
+
+    async def _served_by(self, accuser: PeerID, request: p2ptrain_pb2.ProofRequest) -> bytes:
+        """What ``accuser`` serves for ``request`` (``rpc_audit_proof``, with our admission token); LookupError if it
+        no longer serves it, a timeout or a network error if it does not answer."""
+        request.admission = self.auth.token(self.peer_id)
+        stub = self.get_stub(p2p_of(self), accuser, namespace=self.prefix)
+        reply = await asyncio.wait_for(stub.rpc_audit_proof(request), PROOF_TIMEOUT_S)
+        if not reply.available:
+            raise LookupError("the accuser no longer serves it")
+        return reply.tensor_part
 
     async def rpc_audit_proof(self, request: p2ptrain_pb2.ProofRequest,
                               context: P2PContext) -> p2ptrain_pb2.AuditInput:

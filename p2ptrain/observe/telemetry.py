@@ -27,8 +27,6 @@ logger = logging.getLogger(__name__)
 MAX_LOSSES, MAX_EVALS, MAX_ROUNDS, MAX_BANNED = 128, 64, 64, 64
 MAX_RECORD_BYTES = 64 * 1024
 """the largest record a reader takes (older peers stored up to this)"""
-STORED_MAX_BYTES = RECORD_MAX_BYTES
-"""the largest record this peer stores (swarm/pipe.py: why): full windows with 64 banned peers come to about 11 KB"""
 LOSS_SAMPLE_S = 1.0
 """at most one training-loss point a second goes into the record's window (a dashboard polls every few seconds)"""
 
@@ -79,9 +77,10 @@ class TelemetryPublisher:
         return time.monotonic() - self._last_published >= self.period_s
 
     def record(self, peer_id: str, timestamp: float) -> PeerTelemetry:
-        """The record to store: the windows, their oldest points left out while it is over ``STORED_MAX_BYTES``."""
+        """The record to store: the windows, their oldest points left out while it is over RECORD_MAX_BYTES
+        (swarm/pipe.py: why; full windows with 64 banned peers come to about 11 KB)."""
         record = self._whole_record(peer_id, timestamp)
-        while record.ByteSize() > STORED_MAX_BYTES:
+        while record.ByteSize() > RECORD_MAX_BYTES:
             longest = max((record.losses, record.evals, record.rounds, record.banned), key=len)
             del longest[:max(1, len(longest) // 4)]
         return record

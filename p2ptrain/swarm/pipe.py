@@ -8,8 +8,9 @@ body), and one of over the pipe's 64 KiB in many as the reader drains it; a read
 gets ``BlockingIOError`` (EAGAIN) mid-message. hivemind logs it and reads on from the middle of the message: the
 next "size" is pickle bytes, and the process dies (``EOFError: Ran out of input``) or hangs on a size of gigabytes.
 With hivemind 1.1.12 alone (``benchmarks/bench_dht_pipe.py``, docs/bench/2026-11-27-dht-pipe): a value of 15,000
-bytes always lands, one of 16,000-70,000 bytes 3-9 times in 10, one of 300 KB or 1 MB 0-9 times in 10. Two writers (the host's threads, the averager process: a
-fork that inherits the DHT object) can also interleave the halves of their messages.
+bytes always lands, one of 16,000-70,000 bytes 3-9 times in 10, one of 300 KB or 1 MB 0-9 times in 10. Two writers
+(the host's threads, the averager process: a fork that inherits the DHT object) can also interleave the halves of
+their messages.
 
 So both ends are replaced (``FollowingDHT``, ``PseudoGradientAverager``):
 
@@ -27,7 +28,6 @@ messages over 2 GiB), so either end still works with the other's stock ``Connect
 
 from __future__ import annotations
 
-import logging
 import multiprocessing as mp
 import os
 import select
@@ -37,8 +37,6 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Optional
 
 import psutil
-
-logger = logging.getLogger(__name__)
 
 RECORD_MAX_BYTES = 8 * 1024
 """the most any record p2ptrain stores in the DHT takes (tests/unit/test_record_bounds.py: every kind at its

@@ -21,6 +21,7 @@ import pytest
 
 from p2ptrain.config import SwarmConfig
 from p2ptrain.swarm.dht import start_dht, stop_dht
+from tests.helpers import exit_code, spawn, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 
@@ -140,14 +141,13 @@ def test_a_worker_whose_dht_process_dies_says_so_and_leaves_nothing_behind(tmp_p
     OOM killer). Without it the peer sees no other peer and would wait for ever in matchmaking, as this lone worker
     under no_group_policy=wait does: it must notice within a round, say so in one line, and leave (exit 1, for a
     supervisor to restart it) with its checkpoint written, its other processes and sockets gone."""
-    from tests.helpers import LOOPBACK as HOST, exit_code, spawn, wait_until
-
     log, checkpoints = tmp_path / "worker.log", tmp_path / "ckpt"
-    proc = spawn("join", "--host-maddrs", HOST, "--run-id", "dht-lost", "--local-steps", "3", "--no-group-policy",
+    proc = spawn("join", "--host-maddrs", LOOPBACK, "--run-id", "dht-lost", "--local-steps", "3", "--no-group-policy",
                  "wait", "--matchmaking-time", "2", "--threads", "1", "--no-progress", "--shard-index", "0",
                  "--checkpoint-dir", str(checkpoints), log=log)
     try:
-        wait_until(lambda: "waiting for peers" in log.read_text(), "the worker waiting in its first sync", 90, [("worker", proc)])
+        wait_until(lambda: "waiting for peers" in log.read_text(), "the worker waiting in its first sync", 90,
+                   [("worker", proc)])
         tree = _tree(psutil.Process(proc.pid))
         sockets = set().union(*(_sockets_of(p) for p in tree))
         dht = [p for p in tree[1:] if any(child.name() == "p2pd" for child in p.children())]
