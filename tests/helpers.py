@@ -16,11 +16,11 @@ import psutil
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
-def p2ptrain(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    """Run ``p2ptrain ARGS`` to completion and capture its output."""
+def p2ptrain(*args: str, env: Optional[Dict[str, str]] = None, **kwargs) -> subprocess.CompletedProcess:
+    """Run ``p2ptrain ARGS`` to completion and capture its output; ``env`` adds variables."""
     kwargs.setdefault("timeout", 120)
     return subprocess.run([sys.executable, "-m", "p2ptrain", *args], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"), **kwargs)
+                          env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})), **kwargs)
 
 
 def spawn(*args: str, log: Path, env: Optional[Dict[str, str]] = None, new_session: bool = False) -> subprocess.Popen:

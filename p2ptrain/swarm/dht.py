@@ -176,40 +176,45 @@ def start_dht(config: SwarmConfig) -> hivemind.DHT:
     if identity_path is None:
         identity_dir = tempfile.mkdtemp(prefix="p2ptrain-identity-")
         identity_path = str(Path(identity_dir) / "identity.key")
-    existing_identity = Path(identity_path).exists()
-    if not existing_identity:
-        P2P.generate_identity(identity_path)
-    try:
-        validators = [PeerSignatureValidator(load_identity(identity_path))]
-    except (KeyFileError, OSError, ValueError) as e:
-        raise SwarmError(f"--identity {identity_path} is not a usable identity key ({e}); remove the file and "
-                         "p2ptrain creates a new one (the peer id changes)") from None
-    if auth.private:
-        validators.append(SwarmKeyValidator(auth))
-    limit_stream_messages()
-    try:
-        reachability = decide(config.reachability, initial_peers, config.host_maddrs, config.announce_maddrs,
-                              timeout_s=config.bootstrap_timeout_s)
-    except SwarmUnreachable as e:  # fail now: the DHT would wait as long again and fail the same way
-        raise SwarmError(_join_failure(initial_peers, str(e))) from None
-    logger.info(f"this peer runs {'in client mode (it dials out only)' if reachability.client_mode else 'public'}"
-                f": {reachability.reason}")
+    try:  # until the DHT owns the fresh key's folder (stop_dht removes it), a failure removes it here
+        existing_identity = Path(identity_path).exists()
+        if not existing_identity:
+            P2P.generate_identity(identity_path)
+        try:
+            validators = [PeerSignatureValidator(load_identity(identity_path))]
+        except (KeyFileError, OSError, ValueError) as e:
+            raise SwarmError(f"--identity {identity_path} is not a usable identity key ({e}); remove the file and "
+                             "p2ptrain creates a new one (the peer id changes)") from None
+        if auth.private:
+            validators.append(SwarmKeyValidator(auth))
+        limit_stream_messages()
+        try:
+            reachability = decide(config.reachability, initial_peers, config.host_maddrs, config.announce_maddrs,
+                                  timeout_s=config.bootstrap_timeout_s)
+        except SwarmUnreachable as e:  # fail now: the DHT would wait as long again and fail the same way
+            raise SwarmError(_join_failure(initial_peers, str(e))) from None
+        logger.info(f"this peer runs {'in client mode (it dials out only)' if reachability.client_mode else 'public'}"
+                    f": {reachability.reason}")
 
-    dht = FollowingDHT(
-        initial_peers=initial_peers,
-        host_maddrs=config.host_maddrs,
-        announce_maddrs=config.announce_maddrs or None,
-        identity_path=identity_path,
-        # a key made just now is nobody else's: skip hivemind's check, which starts a second p2pd to dial it
-        check_if_identity_free=existing_identity,
-        record_validators=validators,
-        client_mode=reachability.client_mode,
-        use_relay=config.use_relay,
-        use_auto_relay=config.use_auto_relay,
-        # p2pd gives up on unreachable bootstrap peers after this long instead of waiting forever
-        startup_timeout=config.bootstrap_timeout_s,
-        start=False,
-    )
+        dht = FollowingDHT(
+            initial_peers=initial_peers,
+            host_maddrs=config.host_maddrs,
+            announce_maddrs=config.announce_maddrs or None,
+            identity_path=identity_path,
+            # a key made just now is nobody else's: skip hivemind's check, which starts a second p2pd to dial it
+            check_if_identity_free=existing_identity,
+            record_validators=validators,
+            client_mode=reachability.client_mode,
+            use_relay=config.use_relay,
+            use_auto_relay=config.use_auto_relay,
+            # p2pd gives up on unreachable bootstrap peers after this long instead of waiting forever
+            startup_timeout=config.bootstrap_timeout_s,
+            start=False,
+        )
+    except BaseException:
+        if identity_dir is not None:
+            shutil.rmtree(identity_dir, ignore_errors=True)
+        raise
     dht.auth, dht.reachability, dht._identity_dir = auth, reachability, identity_dir
     dht.identity = validators[0]  # the averager signs its averages with it (averaging/evidence.py)
     if not auth.private:

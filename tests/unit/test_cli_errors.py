@@ -72,11 +72,14 @@ def test_env_var_is_read_and_checked(monkeypatch):
     assert_bad_input(p2ptrain("join"), "--local-steps")
 
 
-def test_refused_initial_peer_fails_fast():
+def test_refused_initial_peer_fails_fast(tmp_path):
     started = time.monotonic()
-    result = p2ptrain("join", "--initial-peers", DEAD_PEER.format(port=free_port()), "--bootstrap-timeout", "20")
+    result = p2ptrain("join", "--initial-peers", DEAD_PEER.format(port=free_port()), "--bootstrap-timeout", "20",
+                      env=dict(TMPDIR=str(tmp_path)))
     assert_bad_input(result, "could not join the swarm", "reachable")
     assert time.monotonic() - started < 60
+    # the fresh identity key made for this start goes with the failed join (it was left in TMPDIR, mode 0400)
+    assert not list(tmp_path.glob("p2ptrain-identity-*")), list(tmp_path.iterdir())
 
 
 def test_silent_initial_peer_times_out_instead_of_hanging():
