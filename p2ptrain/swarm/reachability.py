@@ -12,8 +12,12 @@ So ``--reachability auto`` (the default of ``join``) asks before it starts the D
 1. start a throw-away p2pd listening where the DHT will (``--host-maddrs``), connected to the initial peers;
 2. ask up to ``MAX_ASKED`` of them, on the stream protocol ``PROBE_PROTOCOL``, to open a plain TCP connection back
    to the address our connection came from (the NAT's public address, if there is one), on each of our ports;
-3. any port that connects: public. An answer with none: client mode (behind NAT or a firewall). No answer at all
-   (initial peers of an older version, or none reachable): client mode too, the choice that works either way.
+3. any port that connects: public. An answer with none: client mode (behind NAT or a firewall).
+4. no answer at all (the initial peers do not serve the probe: a plain ``hivemind-dht`` bootstrap, or an older
+   p2ptrain): the addresses decide (``_unprobed``). Public when no NAT can sit between this host and the initial
+   peer: they are on this host (loopback), or on a network of one of this host's interfaces, or this host listens
+   on a public IP of its own. Else client mode, which works either way. Client mode for every peer of a run whose
+   bootstrap cannot probe would leave nobody to lead a group: two workers on one host never averaged (issue 34).
 
 TCP connections, not libp2p dials: the server's p2pd already holds our outbound connection and would reuse it,
 which says nothing about inbound reachability. The server dials only the address the request came from, at most
@@ -26,12 +30,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ipaddress
 import logging
+import socket
 import struct
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
+import psutil
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -97,8 +104,48 @@ def decide(setting: str, initial_peers: Sequence[str], host_maddrs: Sequence[str
         return Reachability(True, f"{peer[-8:]} {why} (behind NAT or a firewall; probe {took:.1f}s); to serve as a "
                                   "full member, forward a port and pass --host-maddrs and --announce-maddrs",
                             report.observed_maddr)
-    return Reachability(True, f"no initial peer could check whether this host is reachable ({'; '.join(errors)}); "
-                              "client mode works either way")
+    return _unprobed(initial_peers, host_maddrs, f"no initial peer could check whether this host is reachable "
+                                                  f"({'; '.join(errors)})")
+
+
+def _unprobed(initial_peers: Sequence[str], host_maddrs: Sequence[str], why: str,
+              interfaces: Optional[List[ipaddress.IPv4Interface | ipaddress.IPv6Interface]] = None) -> Reachability:
+    """Public or client mode from the addresses alone, when no initial peer answered the probe (module docstring,
+    step 4). ``interfaces``: this host's addresses with their networks (default: read from the host)."""
+    interfaces = _interfaces() if interfaces is None else interfaces
+    listened = [ipaddress.ip_address(ip) for ip in map(_ip_of, host_maddrs) if ip]
+    for maddr in initial_peers:
+        ip = _ip_of(maddr)
+        if ip is None:
+            continue
+        peer = ipaddress.ip_address(ip)
+        for interface in interfaces:
+            if peer not in interface.network or peer.version != interface.ip.version:
+                continue
+            if any(address.is_unspecified or address == interface.ip for address in listened):
+                where = "this host" if peer.is_loopback else f"the network {interface.network} of this host"
+                return Reachability(False, f"{why}; the initial peer {ip} is on {where} and this peer listens there, "
+                                           "so no NAT is in between: serving as a full member (unprobed; pass "
+                                           "--reachability client if the peers cannot dial this host)")
+    for interface in interfaces:
+        if interface.ip.is_global and any(a.is_unspecified and a.version == interface.ip.version or a == interface.ip
+                                          for a in listened):
+            return Reachability(False, f"{why}; this host listens on its public IP {interface.ip}: serving as a full "
+                                       "member (unprobed; pass --reachability client if a firewall stops the peers)")
+    return Reachability(True, f"{why}; client mode works either way")
+
+
+def _interfaces() -> List[ipaddress.IPv4Interface | ipaddress.IPv6Interface]:
+    """This host's addresses, each with its network."""
+    found = []
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family in (socket.AF_INET, socket.AF_INET6) and address.netmask:
+                try:
+                    found.append(ipaddress.ip_interface(f"{address.address.split('%')[0]}/{address.netmask}"))
+                except ValueError:
+                    continue
+    return found
 
 
 def probe(initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str] = (),

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+import subprocess
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -177,3 +179,44 @@ def test_a_worker_that_joins_later_does_the_syncs_it_was_asked_for(tmp_path):
             assert x["averaged"] and x["group_size"] == 2 and x["digest"] == together[x["outer_step"]]["digest"], x
         else:  # alone in the swarm: before the other joined, or after it left (a look at most, no waiting)
             assert not x["averaged"] and x["attempts"] <= 1, x
+
+
+def start_plain_hivemind_bootstrap(tmp_path: Path):
+    """``hivemind-dht`` (hivemind's own command, not p2ptrain): it serves no reachability probe. (process, maddr)"""
+    log = tmp_path / "hivemind-dht.log"
+    proc = subprocess.Popen(["hivemind-dht", "--host_maddrs", LOOPBACK], stdout=open(log, "wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    found = None
+    deadline = time.monotonic() + 60
+    while found is None and time.monotonic() < deadline and proc.poll() is None:
+        found = re.search(r"--initial_peers (\S+)", log.read_text())
+        time.sleep(0.2)
+    assert found, f"hivemind-dht printed no address: {log.read_text()[-2000:]}"
+    return proc, found.group(1)
+
+
+@pytest.mark.slow  # 29 s on 2 cores: the default suite is over its budget (CI runs the slow one after)
+def test_two_workers_through_a_plain_hivemind_bootstrap_average_every_round(tmp_path):
+    """README's interop promise: a bootstrap that is plain hivemind (no reachability probe) still makes a swarm.
+    Nothing could probe the workers, and the initial peer is on their own host: both run public (not both client
+    mode, which left nobody to lead a group: every round ended 'no group can form' after 127 s) and average every
+    round together, ending on one model."""
+    corpus = write_user_corpus(tmp_path / "my_corpus.txt")
+    boot, maddr = start_plain_hivemind_bootstrap(tmp_path)
+    procs = []
+    try:
+        procs = [spawn("join", "--initial-peers", maddr, "--run-id", "interop", "--data", str(corpus),
+                       "--local-steps", "10", "--max-outer-steps", "3", "--wait-for-peers", "2",
+                       "--report", str(tmp_path / f"w{i}.json"), log=tmp_path / f"w{i}.log",
+                       env={"P2PTRAIN_HOST_MADDRS": LOOPBACK}) for i in range(2)]
+        for i, proc in enumerate(procs):
+            assert exit_code(proc, 240, tmp_path / f"w{i}.log") == 0, (tmp_path / f"w{i}.log").read_text()[-3000:]
+    finally:
+        stop_all([boot, *procs])
+    reports = [report(tmp_path, i) for i in range(2)]
+    logs = "\n".join(f"--- worker {i}'s log:\n" + (tmp_path / f"w{i}.log").read_text()[-3000:] for i in range(2))
+    for r in reports:
+        assert r["reachability"].startswith("public") and "no initial peer could check" in r["reachability"], logs
+        assert [(x["outer_step"], x["averaged"], x["group_size"]) for x in r["rounds"]] == \
+            [(1, True, 2), (2, True, 2), (3, True, 2)], (r["rounds"], logs)
+    assert [x["digest"] for x in reports[0]["rounds"]] == [x["digest"] for x in reports[1]["rounds"]], logs

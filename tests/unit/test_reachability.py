@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
 import struct
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 from p2ptrain.proto.p2ptrain_pb2 import ReachabilityReport, ReachabilityRequest
 from p2ptrain.swarm.dht import SwarmConfig, SwarmError, start_dht, stop_dht, visible_maddrs
-from p2ptrain.swarm.reachability import MAX_PORTS, PROBE_PROTOCOL, _answer, _read_message, decide
+from p2ptrain.swarm.reachability import MAX_PORTS, PROBE_PROTOCOL, _answer, _read_message, _unprobed, decide
 
 pytestmark = pytest.mark.timeout(120)
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -81,13 +82,36 @@ def test_auto_picks_public_when_dialled_back_and_client_when_nobody_can_check(se
     assert not decide("public", [], [LOOPBACK]).client_mode
     reached = decide("auto", visible_maddrs(server), [LOOPBACK])
     assert not reached.client_mode and "connected back to 127.0.0.1" in reached.reason
-    # an initial peer that does not serve the probe (plain hivemind): client mode, which works either way
+    # an initial peer that does not serve the probe (plain hivemind), on this host: no NAT can be in between
     plain = hivemind.DHT(start=True, host_maddrs=[LOOPBACK])
     try:
         unknown = decide("auto", [str(m) for m in plain.get_visible_maddrs()], [LOOPBACK], timeout_s=10)
     finally:
         plain.shutdown()
-    assert unknown.client_mode and "no initial peer could check" in unknown.reason
+    assert not unknown.client_mode and "no initial peer could check" in unknown.reason, unknown
+    assert "is on this host" in unknown.reason and "--reachability client" in unknown.reason
+
+
+PEER = "/p2p/QmSbAKG9jyF7MwYzHavAbXAejvnWQ5r4i2Xy7keC7A66Tj"
+
+
+@pytest.mark.parametrize("peer_ip, listen, interfaces, public, words", [
+    # a home host behind its router, the bootstrap on the internet: a NAT may be in between
+    ("8.8.8.8", "0.0.0.0", ["127.0.0.1/8", "192.168.1.20/24"], False, "client mode works either way"),
+    # the bootstrap on the same LAN, or on this host
+    ("192.168.1.7", "0.0.0.0", ["127.0.0.1/8", "192.168.1.20/24"], True, "network 192.168.1.0/24 of this host"),
+    ("127.0.0.1", "127.0.0.1", ["127.0.0.1/8", "192.168.1.20/24"], True, "is on this host"),
+    # ... but this peer listens elsewhere than on that network: nobody there could dial it
+    ("127.0.0.1", "192.168.1.20", ["127.0.0.1/8", "192.168.1.20/24"], False, "client mode"),
+    # a host with a public IP of its own, listening on it
+    ("8.8.8.8", "0.0.0.0", ["127.0.0.1/8", "1.2.3.4/24"], True, "listens on its public IP 1.2.3.4"),
+    ("8.8.8.8", "127.0.0.1", ["127.0.0.1/8", "1.2.3.4/24"], False, "client mode"),
+])
+def test_without_a_probe_the_addresses_decide(peer_ip, listen, interfaces, public, words):
+    decided = _unprobed([f"/ip4/{peer_ip}/tcp/4000{PEER}"], [f"/ip4/{listen}/tcp/0"], "nobody probed",
+                        [ipaddress.ip_interface(i) for i in interfaces])
+    assert decided.client_mode is not public and words in decided.reason, decided
+    assert decided.reason.startswith("nobody probed")
 
 
 def test_start_dht_takes_the_mode_it_decided(server):
