@@ -95,10 +95,20 @@ def _streaming_schedule(text: str) -> tuple:
                    "crowd.json in --out.")
 @click.option("--crowd-trainers", type=click.IntRange(min=1), default=8, show_default=True,
               help="--crowd: workers training when the newcomers come.")
+@click.option("--soak", "soak_workers", type=click.IntRange(min=3), multiple=True,
+              help="Instead: N tiny-model workers to outer step --outer-steps beside a CPU hog, one throttled 3x, one "
+                   "killed mid-run, a newcomer and an early leaver (repeatable: --soak 4 --soak 8): forks, "
+                   "asymmetric rounds, models per outer step, goodput. Writes soak.json in --out.")
+@click.option("--soak-runs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="--soak: runs of each N.")
+@click.option("--soak-outer-steps", type=click.IntRange(min=4), default=20, show_default=True,
+              help="--soak: the run's outer step every worker trains to.")
+@click.option("--soak-local-steps", type=click.IntRange(min=1), default=20, show_default=True,
+              help="--soak: inner steps between syncs.")
 def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, batch_size, out, behind_nat, groupings,
           streaming, throttles, cpu_per_peer, solo, loopback, clean_only, convergence_steps, mixing_group_sizes,
           sparse_ks, attacks, aggregations, no_swarm, scale_peers, scale_local_steps, scale_group_size, scale_timeout, crowd_newcomers,
-          crowd_trainers) -> None:
+          crowd_trainers, soak_workers, soak_runs, soak_outer_steps, soak_local_steps) -> None:
     """Benchmark real swarms over rate-limited links (one network namespace per peer; root needed, else
     loopback): compute utilization, bytes on the wire, sync seconds against the bandwidth bound, eval loss."""
     from pathlib import Path
@@ -139,6 +149,16 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
         failed = [f"N={r['peers']} ({r['status']})" for r in report["results"] if r["status"] != "ok"]
         if failed:
             click.echo(f"Error: {', '.join(failed)} did not finish; see the problems in {out}/scale.md", err=True)
+            sys.exit(1)
+        return
+    if soak_workers:
+        from p2ptrain.bench.soak import run_soak
+
+        report = run_soak(list(soak_workers), soak_runs, Path(out), outer_steps=soak_outer_steps,
+                          local_steps=soak_local_steps, timeout_s=scale_timeout, echo=click.echo)
+        click.echo(f"report: {Path(out) / 'soak.json'}")
+        if any(t["runs_ok"] != t["runs"] for t in report.get("totals", {}).values()):
+            click.echo(f"Error: some soak runs did not finish; see the problems in {out}/soak.json", err=True)
             sys.exit(1)
         return
     if crowd_newcomers:
