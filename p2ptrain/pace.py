@@ -12,7 +12,8 @@ way.
 
 n is H over the ratio of this peer's time per inner step to the fastest other live peer's (every peer publishes the
 median of its recent inner steps' seconds in its progress record), rounded, once that ratio reached ``SLOW_RATIO``
-at two phase ends in a row (at the first, when it wants it lowered by more than ``CLEAR_DROP``); it moves again
+at two phase ends in a row (at the first, when it wants it lowered by more than ``CLEAR_DROP``, by at most half); it
+moves again
 (either way) only when two looks in a row want it moved by more than ``TOLERANCE`` of itself, and then to the mean of
 what they wanted. A step time, not a peer's progress through the
 phases: a fast peer that waits for a slow one at every sync moves through the phases as slowly as that one. Plain
@@ -37,7 +38,10 @@ otherwise waits for it at every fragment's apply step"""
 CLEAR_DROP = 0.4
 """a look that wants the step count lowered by more than this fraction of it moves it at once: a peer 2x slower than
 the others is no noise, and the second look cost the fast peers a whole phase of waiting (44 s of a 70 s phase, in
-the benchmark's first rounds); speeding up, and smaller moves, still take two looks"""
+the benchmark's first rounds); speeding up, and smaller moves, still take two looks. One look moves it at most to
+half: a phase that met a one-off stall (start-up, a state download, another process's burst) once measured 9.82x and
+cut H to 2, and the peer chased the swarm for the rest of the run (issue 34); a peer that slow halves again at its
+next look"""
 MIN_STEPS = 2
 """the fewest inner steps a peer takes per phase, however slow"""
 
@@ -90,8 +94,10 @@ class Pace:
         if self._wanted and (self._wanted[-1] > self.steps) != (want > self.steps):
             self._wanted = []  # the other way from the last look: start over
         self._wanted.append(want)
-        if len(self._wanted) >= LOOKS_TO_CHANGE or want < (1 - CLEAR_DROP) * self.steps:
+        if len(self._wanted) >= LOOKS_TO_CHANGE:
             self.steps, self._wanted = round(statistics.mean(self._wanted)), []
+        elif want < (1 - CLEAR_DROP) * self.steps:
+            self.steps, self._wanted = max(want, self.steps // 2), []
         return self.steps
 
     def advance(self, local_step: int) -> int:

@@ -115,6 +115,9 @@ class SyncRecord:
     """the median seconds of this peer's recent inner steps at the sync's end (what it publishes for the pace)"""
     fastest_step_s: Optional[float] = None
     """the shortest inner step among the other live peers' records then: a stride follows the ratio of the two"""
+    peers_seen: List[int] = field(default_factory=list)
+    """the other live peers each look at the progress records of this sync saw, in order (the last 16): the swarm as
+    this peer saw it; a count below the others' is a partial view of the DHT"""
     fragments: List[dict] = field(default_factory=list)
     """streaming sync: each fragment's round in this phase (``StreamingMixin._finish``): fragment, averaged,
     group_size, attempts, launched_at_step, applied_at_step, launched_at (wall clock), round_s, waited_s, blocked_s,

@@ -37,6 +37,10 @@ BEHIND_POLL_S = 0.5
 round of the tiny model takes 0.1 s and a phase 0.6 s on 2 cores: a newcomer that waited out a 3-5 s matchmaking
 window for a round that had already started fell 6-7 outer steps behind each time, and never averaged (CI); two
 newcomers waiting for the same stale round formed a group of their own after it (a second model, CI)"""
+UNJOINABLE_ROUNDS = 3
+"""peers at this sync point that did not group with us for this many times (averaging timeout + matchmaking window)
+are stuck: this peer steps alone. Before that, only the first of them by id steps alone when a round cannot form
+(``Rounds._first_to_go_alone``): the others take its state, so the swarm keeps one model"""
 LATE_PEER_STALL_S = 30.0
 """a live peer of this outer step whose local step has not moved for this long is not waited for (it is stuck,
 or still starting up: it catches up from the swarm's state when it gets to its sync)"""
@@ -152,6 +156,10 @@ class Rounds:
         self._interrupted = interrupted  # set: the peer is leaving, stop looking for peers
         self._tag = tag
         self._explained_no_group_at = -math.inf
+        self._recent: Dict[str, tuple] = {}  # peer id -> (its latest record read, when), for ``_merged``
+        self.peers_seen: List[int] = []
+        """the other live peers each look saw since the caller last emptied it (once a sync): a short count is a
+        partial view"""
 
     def run(self, weight: float, position: Position, *, single_attempt: bool = False,
             outlook: Optional[RoundOutlook] = None) -> RoundOutcome:
@@ -279,8 +287,17 @@ class Rounds:
                 # takes at most the averaging timeout) or refuse us: wait that long, then go on
                 # (a peer with weight 0 adds nothing: a group of such peers is refused by all its members alike, so
                 # waiting for one is pointless)
-                if ready_members and weight > 0 and \
-                        now - unjoinable_since < cfg.averaging_timeout_s + cfg.matchmaking_time_s:
+                unjoinable_s = now - unjoinable_since if ready_members else 0.0
+                if ready_members and weight > 0 and unjoinable_s < cfg.averaging_timeout_s + cfg.matchmaking_time_s:
+                    continue
+                # never step alone next to a peer at this sync point (two models), but the first of us by id, whom
+                # the others then follow by taking its state; a peer that stays unjoinable for longer is stuck
+                if ready_members and not self._first_to_go_alone(ready_members) and \
+                        unjoinable_s < UNJOINABLE_ROUNDS * (cfg.averaging_timeout_s + cfg.matchmaking_time_s):
+                    if attempts == 1 or unjoinable_s < BEHIND_POLL_S:
+                        logger.info(f"{self._tag()} {len(ready_members)} peer(s) at this sync point did not group "
+                                    "with this one; waiting for the first of them by id to step, then taking its "
+                                    "state (one model)")
                     continue
                 break
             self.explain_no_group()
@@ -288,6 +305,11 @@ class Rounds:
                 f"{self._tag()} no group formed (attempt {attempts}); waiting for peers (no_group_policy=wait)"
             )
         return RoundOutcome(Outcome.ALONE if attempts == 0 else Outcome.NO_GROUP, attempts)
+
+    def _first_to_go_alone(self, ready: Collection[str]) -> bool:
+        """Of this peer and the ``ready`` ones that cannot group with it, is it the one that steps alone (the
+        smallest id)? Every one of them draws the same, so exactly one goes on and the rest follow it."""
+        return self._me() < min(ready)
 
     def _follower_window_s(self, window_s: float, position: Position) -> float:
         """A client-mode peer's search window while another peer of its round is in sight. A client only follows, and
@@ -417,8 +439,22 @@ class Rounds:
         records = self.progress.others(5.0, leaving=True)
         if any(not r.leaving for r in records):
             self.progress.others_seen_at = time.monotonic()
-        return outlook_of(records, position.outer_step, position.local_step, position.last_group,
+        return outlook_of(self._merged(records), position.outer_step, position.local_step, position.last_group,
                           position.applied_by, mixing=self.settings.mixing)
+
+    def _merged(self, records: List[PeerProgress]) -> List[PeerProgress]:
+        """This read's records, plus the latest record of each peer that an earlier read within two record periods
+        saw and this one missed. A DHT read can return part of the swarm (a node that timed out under load is
+        skipped): a peer that vanished from one read must not make this one step alone next to it. A kept record is
+        never newer than the peer's true state (a fresh read replaces it), so it can only make this peer wait, never
+        make it think the swarm went on. The count of each read is kept in ``peers_seen``."""
+        now = time.monotonic()
+        self.peers_seen.append(sum(1 for r in records if not r.leaving))
+        for record in records:
+            self._recent[record.peer_id] = (record, now)
+        window = 2 * self.progress.period_s
+        self._recent = {peer: (r, t) for peer, (r, t) in self._recent.items() if now - t < window}
+        return [r for r, _ in self._recent.values()]
 
     def swarm_outer_step(self) -> int:
         """The highest outer step among the run's other live peers (from their progress records), or -1."""

@@ -231,6 +231,7 @@ class BlockingSyncMixin:
         progress record."""
         record.inner_steps, record.stride = self._steps_since_sync, self.pace.stride
         record.step_s, record.fastest_step_s = self.pace.step_s, self.progress.fastest_step_s
+        record.peers_seen, self.rounds.peers_seen = self.rounds.peers_seen[-16:], []
         steps_before = self.pace.steps
         if self.pace.update(record.step_s, record.fastest_step_s) != steps_before:
             logger.info(f"{self._tag()} an inner step here takes {self.pace.ratio or 0:.2f}x the fastest live peer's: "

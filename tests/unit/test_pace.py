@@ -46,6 +46,14 @@ def test_a_clearly_slower_peer_takes_fewer_steps_at_its_first_look():
     assert pace.update(0.3, 0.1) == 13  # then 3x: 13 wanted, half of 27, at once
 
 
+def test_one_stalled_phase_halves_the_steps_at_most():
+    """A phase that met a one-off stall measured 9.82x and cut H = 10 to 2: the peer then chased the swarm."""
+    pace = Pace(local_steps=10)
+    assert pace.update(0.982, 0.1) == 5  # one look: at most half
+    assert pace.update(0.1, 0.1) == 5 and pace.update(0.1, 0.1) == 10  # it was a stall: back after two looks
+    assert pace.update(0.982, 0.1) == 5 and pace.update(0.982, 0.1) == 2  # truly that slow: the second look says so
+
+
 @pytest.mark.parametrize("local_steps, steps", [(10, 3), (21, 10), (62, 27), (21, 21), (5, 2), (7, 6)])
 def test_a_phase_spreads_its_local_steps_evenly_over_the_inner_steps_and_ends_on_the_phase_end(local_steps, steps):
     pace = Pace(local_steps=local_steps)

@@ -9,10 +9,13 @@ import time
 from types import SimpleNamespace
 from typing import List, Optional
 
+import pytest
+
 from p2ptrain.averaging import RoundResult
 from p2ptrain.diloco.records import Outcome, RoundOutlook
 from p2ptrain.mixing import groups_of
-from p2ptrain.diloco.rounds import MAX_INCOMPLETE_RETRIES, Position, Rounds, RoundSettings, outlook_of
+from p2ptrain.diloco.rounds import (MAX_INCOMPLETE_RETRIES, UNJOINABLE_ROUNDS, Position, Rounds, RoundSettings,
+                                     outlook_of)
 from p2ptrain.proto.p2ptrain_pb2 import PeerProgress
 
 
@@ -152,6 +155,37 @@ def test_ready_peers_that_do_not_group_with_us_are_waited_for_a_while():
     started = time.monotonic()
     outcome = host.run(8.0, host.position)
     assert outcome.kind is Outcome.NO_GROUP and 0.3 <= time.monotonic() - started < 2.0
+
+
+class StepsAheadAfter(Host):
+    """Ready peer B never groups with us; after ``after_s`` its records show it stepped on (alone)."""
+
+    def __init__(self, after_s: float, **kwargs):
+        super().__init__([look(ready=["B"])], ["fail"] * 100_000, **kwargs)
+        self.ahead_at = time.monotonic() + after_s
+
+    def outlook(self, position: Position) -> RoundOutlook:
+        time.sleep(0.001)
+        return look(ahead=True) if time.monotonic() >= self.ahead_at else look(ready=["B"])
+
+
+@pytest.mark.parametrize("me, kind", [("A", Outcome.NO_GROUP), ("C", Outcome.BEHIND)])
+def test_of_two_ready_peers_that_cannot_group_only_the_first_by_id_steps_alone(me, kind):
+    """One model: after the wait for a round, A (first by id) steps alone; C waits on until B, the first of B and C,
+    stepped, and takes its state, instead of stepping alone beside it (issue 34: two models at one outer step)."""
+    host = StepsAheadAfter(0.6, averaging_timeout_s=0.2, me=me)
+    started = time.monotonic()
+    outcome = host.run(8.0, host.position)
+    assert outcome.kind is kind
+    assert (0.2 <= time.monotonic() - started < 0.5) if me == "A" else (time.monotonic() - started >= 0.6)
+
+
+def test_a_first_peer_that_never_steps_is_stuck_and_the_others_go_on_after_a_bound():
+    host = StepsAheadAfter(1e9, averaging_timeout_s=0.1, me="C")
+    started = time.monotonic()
+    outcome = host.run(8.0, host.position)
+    assert outcome.kind is Outcome.NO_GROUP
+    assert UNJOINABLE_ROUNDS * 0.1 <= time.monotonic() - started < UNJOINABLE_ROUNDS * 0.1 + 0.5
 
 
 def test_a_peer_with_nothing_to_add_does_not_wait_for_ready_peers_that_refuse_it():
