@@ -87,7 +87,21 @@ class WorkerReport:
         # derived here, so they can never disagree with the losses
         report["initial_perplexity"] = perplexity(self.initial_eval_loss)
         report["final_perplexity"] = perplexity(self.final_eval_loss)
+        report["final_model"] = self.final_model
         return report
+
+    @property
+    def final_model(self) -> Optional[Dict[str, Any]]:
+        """The model this peer holds after its last round: its ``outer_step``, ``digest`` (of the global parameters,
+        equal on every peer that holds the swarm's model of that step) and ``how`` it got it: "averaged" (in a group
+        of ``group_size``), "took the state" (from live peers) or "stepped alone" (no other live peer of the run was
+        at that outer step). None before any round."""
+        if not self.rounds:
+            return None
+        last = self.rounds[-1]
+        how = "took the state" if last.get("caught_up") else "averaged" if last.get("averaged") else "stepped alone"
+        return {"outer_step": last["outer_step"], "digest": last.get("digest", ""), "how": how,
+                "group_size": last.get("group_size", 1)}
 
     def add_eval(self, *, local_step: int, outer_step: int, eval_loss: float) -> Dict[str, Any]:
         """One entry of ``evals``; returns it."""

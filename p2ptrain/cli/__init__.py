@@ -140,9 +140,14 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
     _SKIP_FINALIZATION = True  # a worker that trained ends like a rank: see main
     losses = (f"eval loss {report.initial_eval_loss:.4f} -> {report.final_eval_loss:.4f}" if report.rounds
               else f"eval loss {report.initial_eval_loss:.4f}, no round committed")
+    final = report.final_model
+    held = "" if final is None else (
+        f" on the model of outer step {final['outer_step']} ("
+        + (f"averaged in a group of {final['group_size']}" if final["how"] == "averaged" else final["how"])
+        + f", digest {final['digest'][:8]})")
     logger.info(
-        f"[{report.peer_id}] left after {report.outer_steps} outer steps ({report.stopped_by or 'data exhausted'}); "
-        + losses
+        f"[{report.peer_id}] left at outer step {report.outer_steps} after {report.syncs} sync(s) of its own "
+        f"({report.stopped_by or 'data exhausted'}){held}; " + losses
     )
     if report.stopped_by == "dht_lost":  # DHTWatch said why; a supervisor restarts it
         sys.exit(1)

@@ -227,7 +227,8 @@ def test_first_signal_leaves_a_waiting_sync_cleanly(tmp_path):
     assert_all_gone(children)
     # a peer that leaves while nobody is there commits nothing: its progress stays for a resume or is dropped
     assert "abandoning this round without an outer step" in log.read_text()
-    assert "left after 0 outer steps (signal); eval loss 5.5557, no round committed" in log.read_text()
+    assert "left at outer step 0 after 0 sync(s) of its own (signal); eval loss 5.5557, no round committed" \
+        in log.read_text()
 
 
 @pytest.mark.slow  # 13 s, next to test_first_signal_leaves_a_waiting_sync_cleanly: the default suite was at 9:46
@@ -247,7 +248,7 @@ def test_ctrl_c_in_a_terminal_leaves_cleanly(tmp_path):
     finally:
         stop_all([proc])
     text = log.read_text()
-    assert "left after 0 outer steps (signal)" in text
+    assert "left at outer step 0 after 0 sync(s) of its own (signal)" in text
     assert "Traceback" not in text and "[ERROR]" not in text, text
 
 

@@ -220,3 +220,7 @@ def test_two_workers_through_a_plain_hivemind_bootstrap_average_every_round(tmp_
         assert [(x["outer_step"], x["averaged"], x["group_size"]) for x in r["rounds"]] == \
             [(1, True, 2), (2, True, 2), (3, True, 2)], (r["rounds"], logs)
     assert [x["digest"] for x in reports[0]["rounds"]] == [x["digest"] for x in reports[1]["rounds"]], logs
+    assert reports[0]["final_model"] == reports[1]["final_model"] == {
+        "outer_step": 3, "digest": reports[0]["rounds"][-1]["digest"], "how": "averaged", "group_size": 2}
+    assert "left at outer step 3 after 3 sync(s) of its own (max_outer_steps) on the model of outer step 3 " \
+           "(averaged in a group of 2, digest " in logs

@@ -159,7 +159,7 @@ def test_a_worker_whose_dht_process_dies_says_so_and_leaves_nothing_behind(tmp_p
             proc.kill()
     text = log.read_text()
     assert f"the DHT process (pid {dht[0].pid}) exited with code -9: this peer can no longer reach the swarm" in text
-    assert "left after 0 outer steps (dht_lost)" in text and "Traceback" not in text, text
+    assert "left at outer step 0 after 0 sync(s) of its own (dht_lost)" in text and "Traceback" not in text, text
     assert (checkpoints / "dht-lost.pt").exists(), text
     _, alive = psutil.wait_procs(tree[1:], timeout=10)
     assert not [p for p in alive if p.is_running()], alive
