@@ -443,7 +443,7 @@ class Rounds:
                           position.applied_by, mixing=self.settings.mixing)
 
     def _merged(self, records: List[PeerProgress]) -> List[PeerProgress]:
-        """This read's records, plus the latest record of each peer that an earlier read within two record periods
+        """This read's records, plus the latest record of each peer that an earlier read within one record period
         saw and this one missed. A DHT read can return part of the swarm (a node that timed out under load is
         skipped): a peer that vanished from one read must not make this one step alone next to it. A kept record is
         never newer than the peer's true state (a fresh read replaces it), so it can only make this peer wait, never
@@ -452,7 +452,8 @@ class Rounds:
         self.peers_seen.append(sum(1 for r in records if not r.leaving))
         for record in records:
             self._recent[record.peer_id] = (record, now)
-        window = 2 * self.progress.period_s
+        # one period: a stopped or dead peer's record already outlives it by up to 3 periods (its expiration)
+        window = self.progress.period_s
         self._recent = {peer: (r, t) for peer, (r, t) in self._recent.items() if now - t < window}
         return [r for r, _ in self._recent.values()]
 
