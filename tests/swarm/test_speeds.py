@@ -42,7 +42,7 @@ def test_a_slower_worker_takes_fewer_steps_and_holds_nobody_up(tmp_path, throttl
     assert strided, ([(r["outer_step"], r["stride"], r["inner_steps"]) for r in own], logs)
     # one look halves the steps at most (a one-off stall must not cut H to 2): a 4x slower worker settles at its
     # second strided phase; from then on it keeps up, every one of its rounds averaging with the fast worker
-    settled = [r for r in own if r["stride"] >= 0.75 * throttle - 0.5]
+    settled = [r for r in strided if r["stride"] >= 0.75 * throttle - 0.5]
     assert settled and own.index(settled[0]) <= own.index(strided[0]) + 1, \
         ([(r["outer_step"], r["stride"], r["inner_steps"]) for r in own], logs)
     later = own[own.index(settled[0]):]
