@@ -173,6 +173,7 @@ class Rounds:
         """
         cfg = self.settings
         attempts, incomplete_retries = 0, 0
+        following_first = False  # said that this peer waits for the first of the unjoinable ready peers
         unjoinable_since: Optional[float] = None  # when ready peers first failed to group with us
         # members whose range failed a round of this sync: not counted in the target again. They still keep this
         # peer from stepping alone: a failed round can also name a live member (one stuck behind the dead one)
@@ -294,7 +295,8 @@ class Rounds:
                 # the others then follow by taking its state; a peer that stays unjoinable for longer is stuck
                 if ready_members and not self._first_to_go_alone(ready_members) and \
                         unjoinable_s < UNJOINABLE_ROUNDS * (cfg.averaging_timeout_s + cfg.matchmaking_time_s):
-                    if attempts == 1 or unjoinable_s < BEHIND_POLL_S:
+                    if not following_first:
+                        following_first = True
                         logger.info(f"{self._tag()} {len(ready_members)} peer(s) at this sync point did not group "
                                     "with this one; waiting for the first of them by id to step, then taking its "
                                     "state (one model)")

@@ -165,19 +165,24 @@ class StepsAheadAfter(Host):
         self.ahead_at = time.monotonic() + after_s
 
     def outlook(self, position: Position) -> RoundOutlook:
-        time.sleep(0.001)
+        time.sleep(0.01)
         return look(ahead=True) if time.monotonic() >= self.ahead_at else look(ready=["B"])
 
 
 @pytest.mark.parametrize("me, kind", [("A", Outcome.NO_GROUP), ("C", Outcome.BEHIND)])
-def test_of_two_ready_peers_that_cannot_group_only_the_first_by_id_steps_alone(me, kind):
-    """One model: after the wait for a round, A (first by id) steps alone; C waits on until B, the first of B and C,
-    stepped, and takes its state, instead of stepping alone beside it (issue 34: two models at one outer step)."""
-    host = StepsAheadAfter(0.6, averaging_timeout_s=0.2, me=me)
+def test_of_two_ready_peers_that_cannot_group_only_the_first_by_id_steps_alone(me, kind, caplog):
+    """One model: after the wait for a round (1 s), A (first by id) steps alone; C waits on (its stuck bound is 3 s)
+    until B, the first of B and C, stepped, and takes its state, instead of stepping alone beside it (issue 34: two
+    models at one outer step)."""
+    host = StepsAheadAfter(2.0, averaging_timeout_s=1.0, me=me)
     started = time.monotonic()
-    outcome = host.run(8.0, host.position)
+    with caplog.at_level("INFO", logger="p2ptrain.diloco"):
+        outcome = host.run(8.0, host.position)
     assert outcome.kind is kind
-    assert (0.2 <= time.monotonic() - started < 0.5) if me == "A" else (time.monotonic() - started >= 0.6)
+    said = [r.getMessage() for r in caplog.records if "waiting for the first of them by id" in r.getMessage()]
+    assert len(said) == (me == "C"), said  # once, however many attempts
+    # A went at the end of the wait for a round (NO_GROUP: before B stepped); C only once B had stepped
+    assert time.monotonic() - started >= (1.0 if me == "A" else 2.0)
 
 
 def test_a_first_peer_that_never_steps_is_stuck_and_the_others_go_on_after_a_bound():
@@ -185,7 +190,7 @@ def test_a_first_peer_that_never_steps_is_stuck_and_the_others_go_on_after_a_bou
     started = time.monotonic()
     outcome = host.run(8.0, host.position)
     assert outcome.kind is Outcome.NO_GROUP
-    assert UNJOINABLE_ROUNDS * 0.1 <= time.monotonic() - started < UNJOINABLE_ROUNDS * 0.1 + 0.5
+    assert time.monotonic() - started >= UNJOINABLE_ROUNDS * 0.1
 
 
 def test_a_peer_with_nothing_to_add_does_not_wait_for_ready_peers_that_refuse_it():
