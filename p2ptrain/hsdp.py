@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from p2ptrain.checkpoint import latest_sharded_or_raise, load_checkpoint, point_latest_at, save_checkpoint
 from p2ptrain.config import ConfigError
 from p2ptrain.diloco import DiLoCoOptimizer
+from p2ptrain.lifeline import run_forced_exit_callbacks
 from p2ptrain.model_source import decoder_blocks
 from p2ptrain.schedules import Schedule, scale_lrs
 
@@ -94,6 +95,7 @@ def exit_rank(code: int) -> NoReturn:
     ``~AsyncAllgatherCoalescedWork -> TensorImpl::decref_pyobject -> take_gil -> pthread_exit``; 8 exits in 30 on
     2 loaded cores). Nothing of ours needs finalizing: logs and stdio are flushed here, files are written
     atomically and closed, and the child processes were stopped."""
+    run_forced_exit_callbacks()  # the files in TMPDIR that atexit and multiprocessing's finalizers would remove
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

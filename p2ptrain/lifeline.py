@@ -11,6 +11,7 @@ child exits, and hivemind's processes are started from worker threads as well as
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import threading
 import time
@@ -43,6 +44,25 @@ def on_forced_exit(callback: Callable[[], None]) -> None:
     _forced_exit_callbacks.append((os.getpid(), callback))
 
 
+def run_forced_exit_callbacks() -> None:
+    """Before an ``os._exit``: this process's :func:`on_forced_exit` callbacks, then multiprocessing's removal of
+    its temporary folder (``pymp-*``, which holds the listener socket it passes file descriptors through), a
+    finalizer that only a normal exit runs: every worker left one in TMPDIR (issue 35)."""
+    for pid, callback in list(_forced_exit_callbacks):
+        if pid == os.getpid():  # a forked child inherits the list, not the parent's files
+            try:
+                callback()
+            except Exception:  # leaving matters more than tidying up
+                pass
+    remove_temp_dir = getattr(multiprocessing.util, "_remove_temp_dir", None)
+    for finalizer in list(getattr(multiprocessing.util, "_finalizer_registry", {}).values()):
+        if remove_temp_dir is not None and getattr(finalizer, "_callback", None) is remove_temp_dir:
+            try:
+                finalizer()  # a no-op in any process but the one that made the folder
+            except Exception:
+                pass
+
+
 def follow_parent(poll_s: float = POLL_S) -> None:
     """In a child process: exit (after stopping this process's own children and calling its
     :func:`on_forced_exit` callbacks) as soon as the parent is gone."""
@@ -52,12 +72,7 @@ def follow_parent(poll_s: float = POLL_S) -> None:
         while os.getppid() == parent:
             time.sleep(poll_s)
         stop_descendants()
-        for pid, callback in list(_forced_exit_callbacks):
-            if pid == os.getpid():  # a forked child inherits the list, not the parent's files
-                try:
-                    callback()
-                except Exception:  # leaving matters more than tidying up
-                    pass
+        run_forced_exit_callbacks()
         os._exit(1)
 
     threading.Thread(target=watch, name="p2ptrain-follow-parent", daemon=True).start()

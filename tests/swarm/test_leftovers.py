@@ -21,7 +21,7 @@ import pytest
 
 from p2ptrain.config import SwarmConfig
 from p2ptrain.swarm.dht import start_dht, stop_dht
-from tests.helpers import exit_code, spawn, wait_until
+from tests.helpers import exit_code, p2ptrain, spawn, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 
@@ -164,3 +164,17 @@ def test_a_worker_whose_dht_process_dies_says_so_and_leaves_nothing_behind(tmp_p
     _, alive = psutil.wait_procs(tree[1:], timeout=10)
     assert not [p for p in alive if p.is_running()], alive
     assert not [path for path in sockets if os.path.exists(path)]
+
+
+@pytest.mark.slow  # a whole worker, 15 s on 2 cores: `make test-slow` (CI runs it)
+def test_a_worker_that_trained_leaves_no_multiprocessing_folder_in_tmpdir(tmp_path: Path):
+    """A worker that trained ends with os._exit (hsdp.exit_rank), which skips multiprocessing's finalizers: each one
+    left its pymp-*/listener-* socket in TMPDIR (990 of them after a day's runs, issue 35)."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    done = p2ptrain("join", "--host-maddrs", LOOPBACK, "--run-id", "leftovers", "--model", "tiny", "--threads", "1",
+                    "--no-progress", "--local-steps", "5", "--max-outer-steps", "1", env={"TMPDIR": str(tmpdir)},
+                    timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "left at outer step 1" in done.stderr, done.stderr[-3000:]
+    assert not list(tmpdir.glob("pymp-*")) and not list(tmpdir.glob("p2ptrain-identity-*")), list(tmpdir.iterdir())
