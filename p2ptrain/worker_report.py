@@ -95,10 +95,12 @@ class WorkerReport:
         """The model this peer holds after its last round: its ``outer_step``, ``digest`` (of the global parameters,
         equal on every peer that holds the swarm's model of that step) and ``how`` it got it: "averaged" (in a group
         of ``group_size``), "took the state" (from live peers) or "stepped alone" (no other live peer of the run was
-        at that outer step). None before any round."""
-        if not self.rounds:
+        at that outer step). A round abandoned on leaving changed nothing: the model is the one before it. None
+        before any round that stepped."""
+        stepped = [r for r in self.rounds if not r.get("abandoned")]
+        if not stepped:
             return None
-        last = self.rounds[-1]
+        last = stepped[-1]
         how = "took the state" if last.get("caught_up") else "averaged" if last.get("averaged") else "stepped alone"
         return {"outer_step": last["outer_step"], "digest": last.get("digest", ""), "how": how,
                 "group_size": last.get("group_size", 1)}

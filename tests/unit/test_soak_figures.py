@@ -41,3 +41,16 @@ def test_a_lone_step_beside_a_round_is_a_fork_and_a_member_that_did_not_commit_i
     assert figures["goodput"] == 300 / 600
     totals = soak_totals([{**figures, "status": "ok"}])
     assert totals["forks"] == 1 and totals["asymmetric"] == 1 and totals["runs_with_one_model_per_step"] == 0
+
+
+def test_a_report_names_the_model_its_worker_left_with():
+    from p2ptrain.worker_report import WorkerReport
+
+    assert WorkerReport().final_model is None
+    report = WorkerReport(rounds=[entry(1, "d1", members=["A", "B"]), entry(2, "d2", averaged=False, caught_up=True)])
+    assert report.final_model == {"outer_step": 2, "digest": "d2", "how": "took the state", "group_size": 1}
+    # a round abandoned on leaving took no outer step: the model is still the one before it
+    report.rounds.append({**entry(2, "d2", averaged=False), "abandoned": True})
+    assert report.to_dict()["final_model"]["how"] == "took the state"
+    report.rounds[-1] = entry(3, "d3", averaged=False)
+    assert report.final_model["how"] == "stepped alone" and report.final_model["outer_step"] == 3
