@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from p2ptrain.bench.local import LOOPBACK, interrupts_raised, leftover_processes, read_json, stop_swarm
+from p2ptrain.bench.local import (LOOPBACK, interrupts_raised, leftover_processes, loopback_join, read_json,
+                                  stop_swarm)
 from p2ptrain.daemons import DaemonError, spawn, stop_daemons, wait_for_address
 
 DELAYED_FACTOR = 2.0
@@ -53,9 +54,8 @@ class CrowdConfig:
 
 def join_args(cfg: CrowdConfig, initial_peer: str, run_id: str, report: Path) -> List[str]:
     """A worker's arguments: a user's defaults but for the model, the phase and the shards; it runs until stopped."""
-    return ["join", "--initial-peers", initial_peer, "--host-maddrs", LOOPBACK, "--run-id", run_id,
-            "--model", cfg.model, "--threads", "1", "--no-progress", "--report", str(report),
-            "--local-steps", str(cfg.local_steps), "--num-shards", str(cfg.num_shards)]
+    return loopback_join(initial_peer, run_id, report, model=cfg.model, local_steps=cfg.local_steps,
+                         num_shards=cfg.num_shards)
 
 
 # ------------------------------------------------------------------------------------------------ pure figures

@@ -10,13 +10,22 @@ import os
 import signal
 import subprocess
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import psutil
 
 from p2ptrain.daemons import stop_daemons
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+def loopback_join(initial_peer: str, run_id: str, report: Path | str, *, model: str, local_steps: int,
+                  num_shards: int, extra: Sequence[str] = ()) -> List[str]:
+    """A benchmark worker's ``p2ptrain join`` arguments: loopback, one torch thread, no bars, a report; ``extra``
+    after them."""
+    return ["join", "--initial-peers", initial_peer, "--host-maddrs", LOOPBACK, "--run-id", run_id,
+            "--model", model, "--threads", "1", "--no-progress", "--report", str(report),
+            "--local-steps", str(local_steps), "--num-shards", str(num_shards), *extra]
 
 
 @contextlib.contextmanager

@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-from p2ptrain.bench.local import (LOOPBACK, ProcessTree, interrupts_raised, leftover_processes, read_json,
-                                  stop_swarm)
+from p2ptrain.bench.local import (LOOPBACK, ProcessTree, interrupts_raised, leftover_processes, loopback_join,
+                                  read_json, stop_swarm)
 from p2ptrain.daemons import DaemonError, spawn, wait_for_address
 from p2ptrain.observe.metrics import round_outcome
 
@@ -69,13 +69,13 @@ class ScaleConfig:
 
 def worker_args(cfg: ScaleConfig, initial_peer: str, run_id: str, report: Path) -> List[str]:
     """A worker's ``p2ptrain`` arguments: a user's defaults but for the group size, the shards and the run's length."""
-    return ["join", "--initial-peers", initial_peer, "--host-maddrs", LOOPBACK, "--run-id", run_id,
-            "--model", cfg.model, "--threads", "1", "--no-progress", "--report", str(report), "--metrics-port", "0",
-            "--local-steps", str(cfg.local_steps), "--max-outer-steps", str(cfg.outer_steps),
-            "--target-group-size", str(cfg.group_size or cfg.peers), "--num-shards", str(cfg.num_shards),
-            # a fleet started together trains together: on 2 cores 8 workers come up 8-17 s apart, and a first round
-            # drawn without the last ones left them alone in it
-            "--wait-for-peers", str(cfg.peers)]
+    return loopback_join(initial_peer, run_id, report, model=cfg.model, local_steps=cfg.local_steps,
+                         num_shards=cfg.num_shards,
+                         extra=["--metrics-port", "0", "--max-outer-steps", str(cfg.outer_steps),
+                                "--target-group-size", str(cfg.group_size or cfg.peers),
+                                # a fleet started together trains together: on 2 cores 8 workers come up 8-17 s
+                                # apart, and a first round drawn without the last ones left them alone in it
+                                "--wait-for-peers", str(cfg.peers)])
 
 
 # ------------------------------------------------------------------------------------------------ pure figures

@@ -32,7 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from p2ptrain.bench.local import LOOPBACK, interrupts_raised, leftover_processes, read_json, stop_swarm
+from p2ptrain.bench.local import (LOOPBACK, interrupts_raised, leftover_processes, loopback_join, read_json,
+                                  stop_swarm)
 from p2ptrain.daemons import DaemonError, spawn, wait_for_address
 
 HOG = "import time\nwhile True:\n    time.time()"
@@ -58,10 +59,8 @@ class SoakConfig:
 
 def _worker_args(cfg: SoakConfig, initial_peer: str, run_id: str, report: Path, until: int,
                  extra: Sequence[str] = ()) -> List[str]:
-    return ["join", "--initial-peers", initial_peer, "--host-maddrs", LOOPBACK, "--run-id", run_id,
-            "--model", cfg.model, "--threads", "1", "--no-progress", "--report", str(report),
-            "--local-steps", str(cfg.local_steps), "--until-outer-step", str(until),
-            "--num-shards", str(max(16, cfg.workers + 1)), *extra]
+    return loopback_join(initial_peer, run_id, report, model=cfg.model, local_steps=cfg.local_steps,
+                         num_shards=max(16, cfg.workers + 1), extra=["--until-outer-step", str(until), *extra])
 
 
 def _committed(round_: Dict[str, Any]) -> bool:
@@ -97,11 +96,10 @@ def summarize_soak(reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
             last = report["rounds"][-1]
             ends.setdefault(last["outer_step"], set()).add(last.get("digest"))
     trained = sum(report.get("samples", 0) for report in reports)
-    kept = sum(r.get("samples", 0) for report in reports for r in report.get("rounds", []) if _committed(r))
+    forked = {(f["worker"], f["outer_step"]) for f in forks}
     # a forking round's samples are in a model the swarm does not hold
-    kept -= sum(reports[f["worker"]]["rounds"][i].get("samples", 0) for f in forks
-                for i, r in enumerate(reports[f["worker"]]["rounds"]) if r["outer_step"] == f["outer_step"]
-                and _committed(r) and not r.get("averaged"))
+    kept = sum(r.get("samples", 0) for w, report in enumerate(reports) for r in report.get("rounds", [])
+               if _committed(r) and (r.get("averaged") or (w, r["outer_step"]) not in forked))
     group_sizes = [r.get("group_size", 1) for report in reports for r in report.get("rounds", []) if _committed(r)]
     return {
         "models_per_step": {str(k): v for k, v in sorted(models.items())},

@@ -120,7 +120,7 @@ def _unprobed(initial_peers: Sequence[str], host_maddrs: Sequence[str], why: str
             continue
         peer = ipaddress.ip_address(ip)
         for interface in interfaces:
-            if peer not in interface.network or peer.version != interface.ip.version:
+            if peer not in interface.network:  # (never across IP versions)
                 continue
             if any(address.is_unspecified or address == interface.ip for address in listened):
                 where = "this host" if peer.is_loopback else f"the network {interface.network} of this host"
