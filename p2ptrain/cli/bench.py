@@ -76,6 +76,12 @@ def _streaming_schedule(text: str) -> tuple:
 @click.option("--aggregation", "aggregations", type=click.Choice(["mean", "clip", "trim"]), multiple=True,
               default=["mean", "clip", "trim"], show_default=True,
               help="--attack: the reducers' rules to compare (repeatable).")
+@click.option("--straggler-misses", "straggler_misses", type=click.IntRange(min=2), default=None,
+              help="--convergence: instead, the last of --peers replicas misses every Mth round; what it does with "
+                   "the work that missed (discard, fold into its next round) against nobody missing, at the first "
+                   "--local-steps, on --seeds seeds. Writes straggler.md and straggler.json in --out.")
+@click.option("--seeds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="--straggler-misses: seeds per policy.")
 @click.option("--no-swarm", "no_swarm", is_flag=True,
               help="--convergence: leave out the real swarm's rows (--peers join daemons on this host).")
 @click.option("--scale", "scale_peers", type=click.IntRange(min=2), multiple=True,
@@ -107,7 +113,7 @@ def _streaming_schedule(text: str) -> tuple:
               help="--soak: inner steps between syncs.")
 def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, batch_size, out, behind_nat, groupings,
           streaming, throttles, cpu_per_peer, solo, loopback, clean_only, convergence_steps, mixing_group_sizes,
-          sparse_ks, attacks, aggregations, no_swarm, scale_peers, scale_local_steps, scale_group_size, scale_timeout, crowd_newcomers,
+          sparse_ks, attacks, aggregations, straggler_misses, seeds, no_swarm, scale_peers, scale_local_steps, scale_group_size, scale_timeout, crowd_newcomers,
           crowd_trainers, soak_workers, soak_runs, soak_outer_steps, soak_local_steps) -> None:
     """Benchmark real swarms over rate-limited links (one network namespace per peer; root needed, else
     loopback): compute utilization, bytes on the wire, sync seconds against the bandwidth bound, eval loss."""
@@ -179,6 +185,14 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
             raise BadInput("--compression sparse: the convergence experiment's sparse rows come from --sparse-k K "
                            "(e.g. --sparse-k 128); --compression there names the butterfly's codecs")
         setup = Setup(model=models[0], peers=peers, batch_size=batch_size)
+        if straggler_misses:
+            from p2ptrain.bench.convergence_straggler import run_stragglers
+
+            report = run_stragglers(Setup(**{**setup.__dict__, "steps": convergence_steps[0]}),
+                                    (list(local_steps) or [20])[0], straggler_misses, range(seeds), Path(out),
+                                    echo=click.echo)
+            click.echo(f"report: {report}")
+            return
         if attacks:
             from dataclasses import replace
 
@@ -195,8 +209,9 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
                                    sparse=list(dict.fromkeys(sparse_ks)))
         click.echo(f"report: {report}")
         return
-    if mixing_group_sizes or no_swarm or sparse_ks or attacks:
-        raise BadInput("--mixing-group-size, --sparse-k, --attack and --no-swarm go with --convergence")
+    if mixing_group_sizes or no_swarm or sparse_ks or attacks or straggler_misses:
+        raise BadInput("--mixing-group-size, --sparse-k, --attack, --straggler-misses and --no-swarm go with "
+                       "--convergence")
     if peers > 8:
         raise BadInput(f"--peers {peers}: at most 8 hosts (more only with --convergence)")
     if not local_steps and not phases:

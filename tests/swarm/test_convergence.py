@@ -27,3 +27,17 @@ def test_the_swarm_lands_where_its_own_math_does(tmp_path):
     swarm = run_swarm(setup, local_steps=10, compression="none", out=tmp_path)
     print(f"simulated {simulated:.5f}, swarm {swarm:.5f}")
     assert swarm == pytest.approx(simulated, abs=2e-3)
+
+
+def test_the_straggler_experiment_is_the_convergence_experiment_s_diloco_when_nobody_misses():
+    from p2ptrain.bench.convergence_straggler import run_straggler, straggler_table
+
+    setup = Setup(peers=2, steps=9)
+    losses = {policy: run_straggler(setup, local_steps=3, miss_every=2, policy=policy)
+              for policy in ("none", "discard", "fold")}
+    assert losses["none"] == run_diloco(setup, local_steps=3, compression="fp16")
+    # the straggler missed round 2 of 3, then sent one phase or two in round 3
+    assert len(set(losses.values())) == 3
+    table = straggler_table({p: {0: loss} for p, loss in losses.items()}, setup, 3, 2)
+    change = 100 * (losses["fold"] / losses["none"] - 1)
+    assert table[-1].startswith("| fold | ") and table[-1].endswith(f"{change:+.2f}% |")
