@@ -152,6 +152,8 @@ TOUCH_POINTS: Tuple[TouchPoint, ...] = (
                "remove the daemon's unix socket"),
     TouchPoint("hivemind.p2p.p2p_daemon.P2P", "_child", "attribute", "swarm/dht.py",
                "only the P2P that started p2pd owns the daemon's socket"),
+    TouchPoint("hivemind.p2p.p2p_daemon.P2P", "__init__", "method", "swarm/dht.py",
+               "the DHT process learns of the P2P whose start failed, to remove the sockets it left", ("self",)),
 )
 
 
@@ -287,6 +289,23 @@ def register_runner(averager: Any, group_id: bytes, runner: Any) -> None:
     """Hand a group's all-reduce runner to the RPCs that wait for it."""
     assert group_id in averager._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
     averager._running_groups[group_id].set_result(runner)
+
+
+def track_new_p2ps() -> List[Any]:
+    """From now on, every hivemind P2P this process makes is appended to the list returned. ``P2P.create`` makes
+    one, then starts p2pd; when p2pd fails (an initial peer that refuses), nothing else keeps a reference to it, and
+    the sockets p2pd made in /tmp stay there."""
+    from hivemind.p2p.p2p_daemon import P2P
+
+    made: List[Any] = []
+    original = P2P.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    P2P.__init__ = init
+    return made
 
 
 def p2p_socket_maddrs(p2p: Any) -> List[Any]:

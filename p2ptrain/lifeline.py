@@ -11,8 +11,11 @@ child exits, and hivemind's processes are started from worker threads as well as
 
 from __future__ import annotations
 
+import multiprocessing.process
 import multiprocessing.util
 import os
+import shutil
+import signal
 import threading
 import time
 from typing import Callable, List, Tuple
@@ -63,6 +66,26 @@ def run_forced_exit_callbacks() -> None:
                 pass
 
 
+def exit_on_sigterm() -> None:
+    """In a child process (the DHT's, the averager's): on SIGTERM (``stop_descendants`` of a rank or a peer that is
+    being forced out), stop its own children and clean up as :func:`follow_parent` does, then exit with 143. The
+    default action killed it on the spot, leaving its sockets in /tmp."""
+    def leave(signum, frame) -> None:
+        stop_descendants()
+        run_forced_exit_callbacks()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
+
+
+def remove_inherited_temp_dir() -> None:
+    """The parent is gone (a SIGKILLed worker): remove the multiprocessing folder this forked child shares with it,
+    which only the parent's normal exit would have removed (its siblings are leaving too)."""
+    folder = multiprocessing.process.current_process()._config.get("tempdir")
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def follow_parent(poll_s: float = POLL_S) -> None:
     """In a child process: exit (after stopping this process's own children and calling its
     :func:`on_forced_exit` callbacks) as soon as the parent is gone."""
@@ -73,6 +96,7 @@ def follow_parent(poll_s: float = POLL_S) -> None:
             time.sleep(poll_s)
         stop_descendants()
         run_forced_exit_callbacks()
+        remove_inherited_temp_dir()
         os._exit(1)
 
     threading.Thread(target=watch, name="p2ptrain-follow-parent", daemon=True).start()

@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing.process
 import os
+import shutil
+import socket
 import subprocess
+import tempfile
+import time
 from collections import defaultdict
+from contextlib import suppress
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -37,8 +43,70 @@ def _become_subreaper() -> None:
         pass
 
 
+HIVEMIND_SOCKETS = Path("/tmp")
+"""where hivemind's P2P makes its unix sockets (``hivemind-p2pd-*.sock``, ``hivemind-p2pclient-*.sock``) whatever
+TMPDIR says (``P2P._UNIX_SOCKET_PREFIX``)"""
+LEFTOVER_PATTERNS = ("p2ptrain-identity-*", "pymp-*")
+"""what a peer may leave in TMPDIR: a fresh identity key's folder, multiprocessing's folder of a process"""
+
+
+def _stale_socket(path: Path) -> bool:
+    """A unix socket file nobody listens on (a live peer's is not a leftover, whoever started it)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+        return False
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    finally:
+        probe.close()
+
+
+def _tmp_entries() -> set:
+    """The entries of LEFTOVER_PATTERNS in this run's TMPDIR (not this process's own multiprocessing folder, which
+    lives as long as it does) and hivemind's socket files."""
+    own = multiprocessing.process.current_process()._config.get("tempdir")
+    tmp = Path(tempfile.gettempdir())
+    found = {p for pattern in LEFTOVER_PATTERNS for p in tmp.glob(pattern) if str(p) != own}
+    return found | set(HIVEMIND_SOCKETS.glob("hivemind-*.sock"))
+
+
+def _in_use(path: Path, command_lines: str, final: bool) -> bool:
+    """Whether a live process may still use ``path`` (a module fixture's daemons live across tests: removing the
+    multiprocessing folder of one broke its DHT). ``final``: at the end of the run, when no daemon is left."""
+    if path.suffix == ".sock":
+        return not _stale_socket(path)
+    if path.name.startswith("p2ptrain-identity-"):  # the key a live p2pd was started with (-id=...)
+        return str(path) in command_lines
+    listeners = list(path.glob("listener-*"))  # pymp-*: the socket a live process passes file descriptors through
+    return any(not _stale_socket(listener) for listener in listeners) or not listeners and not final
+
+
+def _leftovers(before: set, final: bool = False) -> List[Path]:
+    """New entries since ``before`` that no live process uses: folders in TMPDIR, hivemind sockets in /tmp."""
+    new = _tmp_entries() - before
+    if not new:
+        return []
+    command_lines = " ".join(" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"]))
+    return sorted(p for p in new if p.exists() and not _in_use(p, command_lines, final))
+
+
+def _leftover_check_on() -> bool:
+    return os.environ.get("P2PTRAIN_LEFTOVER_CHECK", "1") != "0"
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     _become_subreaper()
+    if _leftover_check_on() and not hasattr(session.config, "workerinput"):
+        # a TMPDIR of this run's own, for this process and every one it starts: what they leave there is theirs
+        # (another suite or daemon on the host writes to /tmp); hivemind's sockets go to /tmp regardless
+        session.config._p2ptrain_tmpdir = tempfile.mkdtemp(prefix="p2ptrain-tests-")
+        os.environ["TMPDIR"] = session.config._p2ptrain_tmpdir
+        tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+        session.config._p2ptrain_tmp_before = _tmp_entries()
     # once per run, not in each xdist worker; P2PTRAIN_TREE_CHECK=0 turns it off where people edit the same
     # checkout while the tests run (their new files would count)
     if not hasattr(session.config, "workerinput") and os.environ.get("P2PTRAIN_TREE_CHECK", "1") != "0":
@@ -47,7 +115,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run if a test wrote into the working tree (logs, reports, benchmark output): 30 such files were once
-    committed by accident. Files that .gitignore names do not count."""
+    committed by accident. Files that .gitignore names do not count. And if a module's fixtures left files in TMPDIR
+    or hivemind sockets in /tmp (a test's own are the test's failure: ``no_leftovers``)."""
+    _check_session_leftovers(session)
     before = getattr(session.config, "_p2ptrain_tree_before", None)
     if before is None:
         return
@@ -65,6 +135,61 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             print(line)
     if session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _check_session_leftovers(session: pytest.Session) -> None:
+    before = getattr(session.config, "_p2ptrain_tmp_before", None)
+    if before is None:
+        return
+    left = _wait_for_leftovers(before, final=True)
+    folder = Path(session.config._p2ptrain_tmpdir)
+    remove_leftovers(left)
+    with suppress(OSError):  # only pytest's own folders are left in it now (tmp_path's, kept for a look)
+        folder.rmdir()
+    if not left:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = [f"the tests left {len(left)} file(s) behind in TMPDIR or /tmp (removed now):", *(f"  {p}" for p in left)]
+    for line in lines:
+        if reporter is not None:
+            reporter.write_line(line, red=True)
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _wait_for_leftovers(before: set, grace_s: float = 10.0, final: bool = False) -> List[Path]:
+    """``_leftovers(before)``, giving processes that are still exiting (or starting) ``grace_s`` to settle."""
+    deadline = time.monotonic() + grace_s
+    left = _leftovers(before, final)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = _leftovers(before, final)
+    return left
+
+
+def remove_leftovers(paths: List[Path]) -> None:
+    for path in paths:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with suppress(OSError):
+                path.unlink()
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    """Fail a test whose processes left an identity key's folder or a multiprocessing folder in TMPDIR, or a
+    hivemind socket nobody listens on in /tmp (hundreds a day of work piled up in /tmp). Only what no live process
+    uses counts, and only that is removed."""
+    if not _leftover_check_on():
+        yield
+        return
+    before = _tmp_entries()
+    yield
+    left = _wait_for_leftovers(before)
+    if left:
+        remove_leftovers(left)
+        pytest.fail(f"the test left {len(left)} file(s) behind: {', '.join(str(p) for p in left)}")
 
 
 _seconds_per_file: Dict[str, float] = defaultdict(float)

@@ -37,7 +37,8 @@ from p2ptrain.averaging.sparse import Layout
 from p2ptrain.averaging.sparse_round import SparseGatherMixin
 from p2ptrain.averaging.state_transfer import StateTransferMixin
 from p2ptrain.finite import all_finite
-from p2ptrain.lifeline import follow_parent, leave_process_group
+from p2ptrain.lifeline import exit_on_sigterm, follow_parent, leave_process_group, on_forced_exit
+from p2ptrain.swarm.dht import p2p_socket_paths, remove_files
 from p2ptrain.swarm.pipe import WholeMessageReader
 from p2ptrain.security import SwarmAuth
 
@@ -244,7 +245,19 @@ class PseudoGradientAverager(SparseGatherMixin, StateTransferMixin, EvidenceMixi
         follow_parent()  # a SIGKILLed host must not leave this process behind
         # its control pipe is read as the DHT's is (swarm/pipe.py: hivemind's reading breaks on a large message)
         self._inner_pipe = WholeMessageReader(self._inner_pipe)
-        super().run()
+        # the replica of the DHT's P2P made in this process leaves its client socket in /tmp (hivemind removes it in
+        # P2P.shutdown only, which a child process never reaches); p2ptrain's DHT removes it, a plain one does not
+        on_forced_exit(self._remove_replica_socket)
+        exit_on_sigterm()
+        try:
+            super().run()
+        finally:
+            self._remove_replica_socket()
+
+    def _remove_replica_socket(self) -> None:
+        p2p = getattr(self, "_p2p", None)
+        if p2p is not None:
+            remove_files(p2p_socket_paths(p2p))
 
     async def remove_p2p_handlers(self, p2p, *args, **kwargs) -> None:
         # at shutdown: a p2pd that died with the DHT process (DHTWatch: the peer is leaving for that) holds no

@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Callable, Iterable, List, Optional, Sequence
 
 import hivemind
+import psutil
 from hivemind.p2p import P2P, P2PDaemonError
 
 from p2ptrain.config import SwarmConfig, check_maddrs  # noqa: F401 (SwarmConfig lived here; importers use this path)
-from p2ptrain.hivemind_compat import check_hivemind, p2p_socket_maddrs
-from p2ptrain.lifeline import follow_parent, leave_process_group, on_forced_exit
+from p2ptrain.hivemind_compat import check_hivemind, p2p_socket_maddrs, track_new_p2ps
+from p2ptrain.lifeline import exit_on_sigterm, follow_parent, leave_process_group, on_forced_exit
 from p2ptrain.swarm.pipe import LockedWriter, PipeBroken, WholeMessageReader, process_alive
 from p2ptrain.swarm.admission import SwarmRefused, check_admission, serve_admission
 from p2ptrain.swarm.reachability import MODES, Reachability, SwarmUnreachable, decide, serve_probes
@@ -83,7 +84,11 @@ class FollowingDHT(hivemind.DHT):
     def run(self) -> None:
         leave_process_group()
         follow_parent()
+        exit_on_sigterm()
+        self._p2ps_made = track_new_p2ps()
         on_forced_exit(self._remove_own_sockets)
+        # the peer that made a fresh identity key died without stop_dht (SIGKILL): its folder goes with this process
+        on_forced_exit(lambda: self._identity_dir and shutil.rmtree(self._identity_dir, ignore_errors=True))
         self._inner_pipe = WholeMessageReader(self._inner_pipe)
         try:
             super().run()
@@ -96,6 +101,13 @@ class FollowingDHT(hivemind.DHT):
         node = getattr(self, "_node", None)
         if node is not None:
             remove_files(p2p_socket_paths(node.p2p))
+        for p2p in getattr(self, "_p2ps_made", []):
+            if node is None or p2p is not node.p2p:  # a start that failed: hivemind removes nothing then
+                child = getattr(p2p, "_child", None)
+                if child is not None:  # p2pd said it failed and is exiting: the files it made are all there
+                    with suppress(psutil.Error):
+                        psutil.Process(child.pid).wait(timeout=2.0)
+                remove_files(p2p_socket_paths(p2p))
 
     async def replicate_p2p(self) -> P2P:
         """hivemind's replica of the DHT's P2P for this process (the averager's process takes one), whose client
@@ -148,8 +160,11 @@ async def _dht_socket_paths(_dht: hivemind.DHT, node) -> List[str]:
     return p2p_socket_paths(node.p2p)
 
 
-def start_dht(config: SwarmConfig) -> hivemind.DHT:
+def start_dht(config: SwarmConfig, role: str = "", reader: bool = False) -> hivemind.DHT:
     """Start this peer's DHT and join the swarm through ``initial_peers``; raise SwarmError if that fails.
+    ``role``: why this command sets ``config.reachability`` itself (the log says so, not "forced"), or "".
+    ``reader``: a short-lived reader of the records (status, the demo's follower), not a member: no word about
+    the swarm being open, which is its members' concern.
 
     Bounded: an initial peer that does not answer makes this fail after ``bootstrap_timeout_s``, never hang.
     """
@@ -190,12 +205,15 @@ def start_dht(config: SwarmConfig) -> hivemind.DHT:
         limit_stream_messages()
         try:
             reachability = decide(config.reachability, initial_peers, config.host_maddrs, config.announce_maddrs,
-                                  timeout_s=config.bootstrap_timeout_s)
+                                  timeout_s=config.bootstrap_timeout_s, role=role)
         except SwarmUnreachable as e:  # fail now: the DHT would wait as long again and fail the same way
             raise SwarmError(_join_failure(initial_peers, str(e))) from None
         logger.info(f"this peer runs {'in client mode (it dials out only)' if reachability.client_mode else 'public'}"
                     f": {reachability.reason}")
 
+        # this process's multiprocessing folder, made before the DHT and averager processes fork off: they know it
+        # then, and remove it if this process is killed (lifeline.remove_inherited_temp_dir)
+        multiprocessing.util.get_temp_dir()
         dht = FollowingDHT(
             initial_peers=initial_peers,
             host_maddrs=config.host_maddrs,
@@ -217,7 +235,7 @@ def start_dht(config: SwarmConfig) -> hivemind.DHT:
         raise
     dht.auth, dht.reachability, dht._identity_dir = auth, reachability, identity_dir
     dht.identity = validators[0]  # the averager signs its averages with it (averaging/evidence.py)
-    if not auth.private:
+    if not auth.private and not reader:
         logger.warning("this swarm is OPEN: any host that reaches a peer can join it, average with it and download "
                        "the model; give every peer --swarm-key FILE (p2ptrain keygen FILE) to make it private")
     try:

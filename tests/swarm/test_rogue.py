@@ -36,7 +36,7 @@ from p2ptrain.averaging.audit import MAX_PROOF_BYTES, AuditMixin
 from p2ptrain.averaging.reducer import Reducer
 from p2ptrain.proto import p2ptrain_pb2
 from p2ptrain.security import PeerSignatureValidator, SwarmAuth, SwarmKeyValidator, generate_swarm_key, load_identity
-from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht
+from p2ptrain.swarm.dht import FollowingDHT, SwarmConfig, start_dht, stop_dht
 from p2ptrain.swarm.pipe import RECORD_MAX_BYTES
 from p2ptrain.swarm.progress import ProgressPublisher, RunMismatch, fetch_progress, progress_key
 
@@ -312,7 +312,8 @@ def start_rogue(swarm_key, dhts, path) -> tuple:
     P2P.generate_identity(path)
     auth = SwarmAuth.from_key(bytes.fromhex(swarm_key.read_text()))
     identity = PeerSignatureValidator(load_identity(path))
-    dht = hivemind.DHT(
+    # p2ptrain's DHT class, not a plain hivemind.DHT: hivemind's averager on it would leave its client socket in /tmp
+    dht = FollowingDHT(
         start=True, host_maddrs=[LOOPBACK], initial_peers=dhts[0].get_visible_maddrs(), identity_path=path,
         record_validators=[identity, SwarmKeyValidator(auth)])
     dht.identity = identity  # a p2ptrain averager on it signs its averages, as start_dht's peers do
