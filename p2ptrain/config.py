@@ -138,16 +138,16 @@ class DiLoCoConfig:
     quarter, per-block scales, with error feedback), "none" (fp32), or "sparse" (SparseLoCo: each peer sends the
     top sparse_k of every 4096 values of its decayed error-feedback accumulator in 2 bits, 2.8% of fp16's bytes at
     k = 128; the outer step is plain SGD at sparse_outer_lr, outer_lr and outer_momentum are not used; sync more
-    often with it, e.g. H = 15-50; docs/ARCHITECTURE.md, "Sparse 2-bit messages")"""
+    often with it, e.g. H = 15-50; docs/streaming-and-sparse.md, "Sparse 2-bit messages")"""
     aggregation: str = setting("mean", choices=AGGREGATION_NAMES)
     """how each reducer combines its group's pseudo-gradients: "mean" (weighted by samples), "clip" (centered
     clipping: one insider moves the result by a bounded step, and an honest group gets its mean) or "trim" (the
     coordinate-wise trimmed mean, which also drops honest values); needs groups of 3 or more to do anything, and a
-    butterfly codec (not sparse). Every peer of a run must agree (docs/ARCHITECTURE.md, "Robust aggregation")"""
+    butterfly codec (not sparse). Every peer of a run must agree (docs/security.md, "Robust aggregation")"""
     audit_parts: int = setting(1, at_least=0)
     """parts of other reducers' ranges this peer recomputes after each round from their inputs (audit: a reducer that
     signed a wrong average is excluded, swarm-wide where the proof fits in the DHT); 0 turns audits off. Each costs
-    about group size x 512 KiB of download (docs/ARCHITECTURE.md, "Verifying reducers")"""
+    about group size x 512 KiB of download (docs/security.md, "Verifying reducers")"""
     sparse_k: int = setting(128, at_least=1, below=4097)
     """--compression sparse: values each peer sends of every chunk of 4096 (a 64x64 tile, or a run of the flattened
     tensor); 128: SparseLoCo's reference setting. Every peer of a run must agree"""
@@ -159,7 +159,8 @@ class DiLoCoConfig:
     fragments: int = setting(1, at_least=1)
     """streaming sync: cut the parameters into this many fragments (runs of consecutive layers of about equal size),
     each averaged at its own inner step of the phase while training goes on, so a peer sends about 1/fragments of
-    the model at a time (docs/ARCHITECTURE.md, "Streaming sync"); 1: all at once. Every peer of a run must agree"""
+    the model at a time (docs/streaming-and-sparse.md, "Streaming sync"); 1: all at once. Every peer of a run
+    must agree"""
     overlap_steps: int = setting(0, at_least=0)
     """streaming sync: inner steps that go on while a fragment's round runs before its average is applied (tau in
     Streaming DiLoCo); 0: training waits for each round. At most local_steps // fragments - 1"""
@@ -193,7 +194,7 @@ class DiLoCoConfig:
     """at most this many peers per group; unset: every live peer of the round's outer step. The swarm's first
     round waits up to 30 s for this many peers, as peers started together arrive seconds apart. Below the swarm's
     size, the groups change every round and average the parameters too where their members differ (mixing groups,
-    docs/ARCHITECTURE.md), at 4x the bytes of an fp16 round then"""
+    docs/rounds.md), at 4x the bytes of an fp16 round then"""
     no_group_policy: str = setting("apply_local", choices=NO_GROUP_POLICIES)
     """when no group forms: "apply_local" (own pseudo-gradient, only when no other live peer is at this outer
     step or those that are refuse to group) or "wait" (look again until a group forms)"""
@@ -600,6 +601,16 @@ FACTORY_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 """package.module:function"""
 HUB_ID_PATTERN = re.compile(r"^[\w.-]+/[\w.-]+$")
 """a Hugging Face hub id: owner/name (the hub's bare legacy names have owner/name aliases: openai-community/gpt2)"""
+
+DATA_SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow")
+"""the files --data reads (tokens.py)"""
+_HUB_DATASET = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def is_hub_dataset(value: str) -> bool:
+    """Whether a --data value that is no file or folder here names a Hugging Face dataset (owner/name) rather than a
+    missing file: ``./nope.txt`` and ``data/train.jsonl`` are files that are not there."""
+    return bool(_HUB_DATASET.fullmatch(value)) and Path(value).suffix not in DATA_SUFFIXES
 
 
 def model_kind(model: str) -> str:

@@ -50,8 +50,10 @@ def run_demo(
     log_dir = Path(tempfile.mkdtemp(prefix="p2ptrain-demo-"))
     run_id = f"demo-{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
+    # the log folder is removed when all goes well: name it only where it stays (an error names it then)
+    logs = f"logs in {log_dir}" if keep_logs else "logs kept only if it fails (--keep-logs: always)"
     print(f"p2ptrain demo: run {run_id}, {workers} workers, {outer_steps} outer steps x {local_steps} local steps; "
-          f"logs in {log_dir}", flush=True)
+          f"{logs}", flush=True)
 
     procs: List[subprocess.Popen] = []
     ok = False
@@ -134,7 +136,8 @@ def _follow(worker_procs, bootstrap_maddr: str, run_id: str, total_steps: int, s
     from p2ptrain.swarm.dht import SwarmConfig, start_dht, stop_dht
     from p2ptrain.swarm.progress import fetch_progress
 
-    dht = start_dht(SwarmConfig(initial_peers=[bootstrap_maddr], host_maddrs=[LOOPBACK], reachability="client"))
+    dht = start_dht(SwarmConfig(initial_peers=[bootstrap_maddr], host_maddrs=[LOOPBACK], reachability="client"),
+                    role="the demo reads the workers' records as a client", reader=True)
     bar = tqdm(total=total_steps, desc="swarm", unit="step", file=sys.stdout, disable=not show_progress)
     best: dict = {}
     last_line = -math.inf  # a first line at once, then one every interval_s

@@ -181,6 +181,7 @@ class Worker:
             self.report.num_parameters = model.num_parameters()
             ranks.build_optimizer(model, cfg, dht, publisher)
             if ranks.leader:
+                logger.info(f"[{self.report.peer_id}] joined run {cfg.run_id!r}")
                 self.telemetry = self._open_telemetry(metrics, dht, publisher)
             if train_cfg.compile:  # after sharding: FSDP2's hooks are in place, and compiled around
                 compile_model(model)
@@ -241,12 +242,15 @@ class Worker:
         peer_id = dht.peer_id.to_base58()
         self.report.peer_id = peer_id
         self.report.reachability = str(dht.reachability) if getattr(dht, "reachability", None) else ""
-        logger.info(f"[{peer_id}] joined run {cfg.run_id!r}; other peers can join through:")
+        # not "joined" yet: the run's live peers may still refuse this one's settings (DiLoCoOptimizer.start)
+        logger.info(f"[{peer_id}] in the swarm; other peers can join through:")
         self.report.maddrs = [str(maddr) for maddr in visible_maddrs(dht)]
         for maddr in self.report.maddrs:
             logger.info(f"[{peer_id}]   {maddr}")
+        # the whole config is one long line (1,800 characters with the defaults): in the report, and at -v
+        self.report.config = cfg.to_dict()
         self._write_report()
-        logger.info(f"[{peer_id}] effective config: {json.dumps(cfg.to_dict(), sort_keys=True)}")
+        logger.debug(f"[{peer_id}] effective config: {json.dumps(self.report.config, sort_keys=True)}")
         publisher = ProgressPublisher(dht, cfg.run_id)
         # the model in words (a refused newcomer is told what differs; its identity covers a Hugging Face model's
         # whole architecture config) and this worker's own settings (status)
@@ -418,7 +422,8 @@ def run_bootstrap(
         except OSError as e:
             raise listen_problem("--metrics-port", observe.metrics_host, observe.metrics_port, e) from None
     try:
-        dht = start_dht(dataclasses.replace(swarm, reachability="public"))
+        dht = start_dht(dataclasses.replace(swarm, reachability="public"),
+                        role="a bootstrap peer always is (the others dial it to join)")
     except BaseException:
         if metrics is not None:
             metrics.close()

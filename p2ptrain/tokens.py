@@ -31,12 +31,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from p2ptrain.config import DATA_SUFFIXES, is_hub_dataset
 from p2ptrain.data import FILE_SEPARATOR, DataError
 
 logger = logging.getLogger(__name__)
 
 BYTES = "bytes"
-SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow")
+SUFFIXES = DATA_SUFFIXES
 HF_EXTRA = "pip install 'p2ptrain[hf]'"
 DEFAULT_CACHE_DIR = "~/.cache/p2ptrain/tokens"
 FORMAT_VERSION = 1
@@ -48,8 +49,6 @@ BATCH_DOCUMENTS = 1000
 BATCH_CHARS = 4 << 20
 ROWS_PER_READ = 1024  # rows of a Parquet or Arrow file turned into Python strings at a time
 # "owner/name" (a Hugging Face dataset), as opposed to a path that does not exist
-HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
 Source = Union[Path, str]
 """a file to read (a Path), or the name of a Hugging Face dataset (a str)"""
 
@@ -214,7 +213,7 @@ def resolve_sources(sources: Sequence[Union[str, Path]]) -> list[Source]:
             if not files:
                 raise DataError(f"--data {source}: no {_accepted()} files found in this folder; point --data at one")
             resolved.extend(files)
-        elif HUB_NAME.fullmatch(str(source)):
+        elif is_hub_dataset(str(source)):
             resolved.append(str(source))
         else:
             raise DataError(f"--data {source}: no such file or folder; point --data at {_accepted()} files, a folder "
@@ -528,6 +527,8 @@ def tokenize_to_cache(sources: Sequence[Union[str, Path]], tokenizer: Tokenizer,
         return cached
 
     dtype = token_dtype(tokenizer.vocab_size)
+    logger.info(f"{named}: tokenizing {len(resolved)} source(s) ({tokenizer.name}) into {directory}, once: later runs "
+                "on the same data reuse it")
     # Written to a temporary file and renamed into place, its sidecar first: a data file under the key is whole and
     # has its sidecar. Peers on one host that tokenize the same sources at once each write their own temporary file;
     # the last rename wins, and either result is the same.

@@ -54,6 +54,8 @@ def compile_model(model: torch.nn.Module) -> None:
     """Compile ``model`` with ``torch.compile``, in place (``nn.Module.compile``): its parameters and ``state_dict``
     keys stay those of the plain model (no ``_orig_mod.`` prefix), so checkpoints, the state transfer and exports
     do not change. The first steps are slower while it compiles, and again at a new input shape (the eval batches)."""
+    logger.info("--compile: torch.compile compiles the model at its first forward and backward (the first eval and "
+                "inner step): a minute or more on a CPU, less on a GPU")
     model.compile()
 
 

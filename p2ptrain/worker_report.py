@@ -70,6 +70,8 @@ class WorkerReport:
     """"max_outer_steps", "until_outer_step" or "signal" """
     reachability: str = ""
     """public or client mode, and why (swarm/reachability.py)"""
+    config: Dict[str, Any] = field(default_factory=dict)
+    """the effective config: the file's, flags' and environment's settings over the defaults (``RunConfig``)"""
     start_outer_step: Optional[int] = None
     """outer step of the state this peer started training from (after any checkpoint and state download)"""
     rounds: List[Dict[str, Any]] = field(default_factory=list)

@@ -20,7 +20,7 @@ Three pieces (protocol 9), after BTARD (Gorbunov et al. 2021):
 A reducer that cheats on a share q of its parts, in a group of n equal ranges where each of the n - 1 others audits
 one part, is caught in a round with probability 1 - (1 - q / (n - 1)) ** (n - 1) (all its parts: 1 for n = 2, 0.75
 for n = 3, 0.70 for n = 4, towards 1 - 1/e = 0.63). The audited round stays applied: the exclusion protects the next
-ones. Limits: ARCHITECTURE.md, "Verifying reducers".
+ones. Limits: docs/security.md, "Verifying reducers".
 """
 
 from __future__ import annotations

@@ -343,7 +343,7 @@ def scale_markdown(results: Sequence[Dict[str, Any]]) -> str:
     lines = ["# p2ptrain bench --scale", "",
              "N real `join` workers started at once on loopback (tiny model, one torch thread each, "
              "`--target-group-size N`, or G where the N column says `(G=...)`: mixing groups, see "
-             "docs/ARCHITECTURE.md) and a bootstrap peer, on one machine. Round times are each worker's syncs "
+             "docs/rounds.md) and a bootstrap peer, on one machine. Round times are each worker's syncs "
              "(not a state taken after being left behind): mm = matchmaking, ar = all-reduce. Bytes: the all-reduce "
              "payload of the rounds that averaged. Groups per outer step: `8+2+1x3` is a group of 8, one of 2 and "
              "three workers alone; *behind* ones took the swarm's state instead. Peers known: the most live peers a "

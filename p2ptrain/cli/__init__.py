@@ -27,7 +27,7 @@ from p2ptrain.cli.bench import bench
 from p2ptrain.cli.observe import check_observe_input, dashboard, dashboard_options
 from p2ptrain.cli.plot import plot
 from p2ptrain.cli.status import fetch_status, print_status
-from p2ptrain.config import HUB_ID_PATTERN, multi_rank_problem
+from p2ptrain.config import is_hub_dataset, multi_rank_problem
 
 logger = logging.getLogger("p2ptrain.cli")
 
@@ -105,7 +105,7 @@ def join(ctx: click.Context, config_path: Optional[str], report_path: Optional[s
     if nproc_per_node > 1 and "LOCAL_RANK" not in os.environ and multi_rank_problem(config.train, nproc_per_node):
         raise BadInput(multi_rank_problem(config.train, nproc_per_node))  # a config check: no torch needed
     for path in config.train.data:  # data.py says the same, after the heavy imports (5 s later)
-        if not os.path.exists(path) and not HUB_ID_PATTERN.match(path):
+        if not os.path.exists(path) and not is_hub_dataset(path):
             raise BadInput(f"--data {path}: no such file or folder; point --data at .txt, .jsonl, .parquet or .arrow "
                            "files, folders of them, or a Hugging Face dataset (owner/name)")
     from p2ptrain.checkpoint import CheckpointError

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from datetime import datetime, timezone
 from typing import Optional
@@ -29,6 +30,9 @@ class _TqdmHandler(logging.Handler):
             self.handleError(record)
 
 
+_CLOSED_LOOP_CHILD = re.compile(r"^Loop .* that handles pid \d+ is closed$")
+
+
 class _OneLineFromLibraries(logging.Filter):
     """Without -v, a record of hivemind (its host, DHT and averager processes, p2pd's output it relays) or asyncio
     is one line: the exception's type and last line in place of the traceback, and an ERROR becomes a warning.
@@ -41,6 +45,10 @@ class _OneLineFromLibraries(logging.Filter):
         if not record.name.startswith(self.LIBRARIES):
             return True
         message = record.getMessage()
+        if record.name == "asyncio" and _CLOSED_LOOP_CHILD.search(message):
+            # p2pd exited after hivemind closed the event loop that started it (a join that could not reach its
+            # initial peers): asyncio's child watcher says so, but nothing is wrong and the error line said why
+            return False
         if record.exc_info and record.exc_info[1] is not None:
             error = record.exc_info[1]
             lines = str(error).strip().splitlines()

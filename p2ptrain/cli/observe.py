@@ -65,7 +65,7 @@ def dashboard_options(prefix: str = "") -> Callable:
 def dashboard(ctx: click.Context, dashboard_port: int, dashboard_host: str, refresh_s: float, **params) -> None:
     """Serve a live web page of a run: its peers, their loss curves, the rounds, warnings. Read-only; it joins the
     DHT as a client (a private run needs --swarm-key) and reads what the peers publish. JSON at /api/swarm and
-    /api/status (docs/ARCHITECTURE.md); Ctrl-C stops it."""
+    /api/status (docs/observability.md); Ctrl-C stops it."""
     config = load_run_config(ctx, None, params)
     if not config.swarm.initial_peers and not config.swarm.initial_peers_file:
         raise BadInput("dashboard needs --initial-peers (or --initial-peers-file): the multiaddr of any live peer of "

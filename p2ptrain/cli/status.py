@@ -19,7 +19,7 @@ def fetch_status(config: Any) -> Dict[str, Any]:
     swarm = config.swarm
     swarm.reachability, swarm.host_maddrs = "client", ["/ip4/0.0.0.0/tcp/0"]
     try:
-        dht = start_dht(swarm)
+        dht = start_dht(swarm, role="status reads the records as a short-lived client", reader=True)
     except SwarmError as e:
         raise BadInput(str(e)) from None
     try:
@@ -42,7 +42,7 @@ def read_status(dht: Any, run_id: str, *, strict: bool = False) -> Dict[str, Any
              mode="client" if r.client_mode else "public", reachability=r.reachability,
              # what the run agrees on, and each worker's own settings (which may differ between workers)
              model=r.model, num_parameters=r.num_parameters, local_steps=r.local_steps, compression=r.compression,
-             data=r.data, batch_size=r.batch_size, threads=r.threads)
+             data=r.data, batch_size=r.batch_size, block_size=r.block_size, threads=r.threads)
         for r in records
     ]
     public = sum(p["mode"] == "public" for p in peers)

@@ -21,7 +21,7 @@ class Outcome(enum.Enum):
 
     AVERAGED = "averaged"  # a group averaged: the averager's buffers hold the group's average
     BEHIND = "behind"  # the swarm is at a later outer step: this peer must take its state
-    ALONE = "alone"  # no other live peer at this outer step: no attempt was made
+    ALONE = "alone"  # no other live peer at this outer step (the swarm's first round looks once for starting ones)
     NO_GROUP = "no_group"  # attempts were made and none averaged (the policy gave up, the peer is leaving, ...)
 
 

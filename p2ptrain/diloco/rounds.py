@@ -223,7 +223,12 @@ class Rounds:
                 elif attempts == 0:
                     logger.info(f"{self._tag()} no other live peer is at outer step {position.outer_step}: not "
                                 "looking for a group")
-                break
+                elif not excluded:
+                    why = "peers still starting" if position.outer_step == 0 else "a peer seen moments ago"
+                    logger.info(f"{self._tag()} looked once for {why}; no other live peer is at outer step "
+                                f"{position.outer_step}: not looking for a group")
+                # (after a group that failed mid-round, going on alone is a round that did not form: NO_GROUP)
+                return RoundOutcome(Outcome.NO_GROUP if excluded else Outcome.ALONE, attempts)
             if forming and bits and late:
                 # mixing groups' first round: a cell member still starting is waited for without matchmaking, looking
                 # again every second (the cells are drawn anew with each look, as more peers show up); a matchmaking
@@ -277,6 +282,8 @@ class Rounds:
                     logger.warning(f"{self._tag()} a group member failed mid-round; running the round again with "
                                    f"the survivors (retry {incomplete_retries}/{MAX_INCOMPLETE_RETRIES})")
                     continue
+            if alone and not incomplete:
+                continue  # the look made while nobody else was there: a fresh one says whether anybody came
             if not ready_members:
                 unjoinable_since = None
             elif unjoinable_since is None:

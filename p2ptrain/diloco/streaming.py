@@ -1,6 +1,6 @@
 """The streaming sync of ``DiLoCoOptimizer`` (``StreamingMixin``): each fragment of the parameters is averaged at
 its own inner step of the phase, in a thread of its own while training goes on, and applied ``overlap_steps``
-later (``p2ptrain/fragments.py`` has the plan, ``docs/ARCHITECTURE.md`` "Streaming sync" the whole story).
+later (``p2ptrain/fragments.py`` has the plan, ``docs/streaming-and-sparse.md`` "Streaming sync" the whole story).
 
 A fragment's round is the blocking sync's round over fewer tensors: the same ``Rounds`` (planned from the progress
 records, matchmaking keyed to the outer step and the fragment), the same exact all-reduce, checks and outcomes. What

@@ -97,7 +97,7 @@ class BlockingSyncMixin:
         match outcome:
             case RoundOutcome(kind=Outcome.AVERAGED):
                 pass
-            case RoundOutcome(attempts=0):  # alone in the swarm (or in its mixing group): nobody to wait for
+            case RoundOutcome(kind=Outcome.ALONE):  # alone in the swarm (or in its mixing group): nobody to wait for
                 logger.info(f"{self._tag()} applying this peer's own pseudo-gradient: no other live peer of run "
                             f"{self.run_id!r} is at this outer step" + (" in its mixing group" if self.mixing else ""))
             case _:  # the buffers still hold our own pseudo-gradient: a failed round never writes them

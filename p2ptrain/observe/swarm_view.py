@@ -29,6 +29,12 @@ def _short(peer_id: str) -> str:
     return f"...{peer_id[-8:]}"
 
 
+def _tokens_per_s(seen: Dict[str, Any], record: Any) -> Optional[float]:
+    if seen.get("block_size") and seen.get("samples_per_s") is not None:
+        return _number(seen["samples_per_s"] * seen["block_size"])
+    return _number(record.tokens_per_s) if record is not None else None
+
+
 def _number(value: float) -> Optional[float]:
     """JSON has no NaN or infinity: unknown values are null."""
     return value if value is not None and math.isfinite(value) else None
@@ -124,7 +130,7 @@ class SwarmView:
                         coverage=self._status["coverage"])
 
     def snapshot(self) -> Dict[str, Any]:
-        """The dashboard's JSON (docs/ARCHITECTURE.md, "The dashboard's JSON")."""
+        """The dashboard's JSON (docs/observability.md, "The dashboard": /api/swarm)."""
         with self._lock:
             now = time.time()
             # live: refreshed recently, whether or not the last read had its record (a DHT lookup under load can
@@ -139,7 +145,9 @@ class SwarmView:
                 peers.append(dict(
                     {k: v for k, v in seen.items() if k != "seen_at"},
                     stale=peer_id not in live,
-                    tokens_per_s=_number(record.tokens_per_s) if record is not None else None,
+                    # from the samples/s shown beside it (every sample is one block of tokens): the telemetry's own
+                    # figure is taken at another moment, and the two disagreed 27-fold on one worker
+                    tokens_per_s=_tokens_per_s(seen, record),
                     data_position=[record.data_epoch, record.data_sample] if record is not None else None,
                     loss=_number(losses[-1][1]) if losses else None,
                     eval_loss=_number(evals[-1][1]) if evals else None,

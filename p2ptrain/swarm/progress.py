@@ -340,7 +340,8 @@ def wait_for_peers(dht: DHT, run_id: str, count: int, stop: threading.Event, *, 
     (a worker's shard claim comes before its model is built: on 2 cores 8 workers claimed within a second and
     joined 8 s apart). Logs how many are there every ``log_every_s``. Only the number counts: a fleet started
     together starts together, and a peer joining a swarm that has them already goes on at once."""
-    started, logged, seen = time.monotonic(), time.monotonic(), 0
+    started, seen = time.monotonic(), 0
+    logged = started - log_every_s  # the first look that finds too few says so at once, then every log_every_s
     me = dht.peer_id.to_base58()
     while not stop.is_set():
         records = fetch_progress(dht, run_id, timeout_s=max(poll_s, 5.0))

@@ -77,13 +77,14 @@ class Reachability:
 
 
 def decide(setting: str, initial_peers: Sequence[str], host_maddrs: Sequence[str],
-           announce_maddrs: Sequence[str] = (), timeout_s: float = 15.0) -> Reachability:
-    """Public or client mode for ``--reachability setting`` (auto, public or client). Raises SwarmUnreachable if
+           announce_maddrs: Sequence[str] = (), timeout_s: float = 15.0, role: str = "") -> Reachability:
+    """Public or client mode for ``--reachability setting`` (auto, public or client). ``role``: why the command set
+    public or client itself (a bootstrap peer, status), said instead of the user's flag. Raises SwarmUnreachable if
     no initial peer can be reached at all."""
-    if setting == "public":
-        return Reachability(False, "--reachability public (forced): serving as a full member")
-    if setting == "client":
-        return Reachability(True, "--reachability client (forced): dialling out only")
+    if setting in ("public", "client"):
+        client = setting == "client"
+        what = "dialling out only" if client else "serving as a full member"
+        return Reachability(client, role or f"--reachability {setting} (forced): {what}")
     if setting != "auto":
         raise ValueError(f"--reachability {setting!r} is unknown; use one of: {', '.join(MODES)}")
     if not initial_peers:

@@ -110,6 +110,7 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
                               "model 'small' (8 layers, 512 wide, 8 heads, block size 256, 25.5M parameters) here, "
                               "'tiny' (2 layers, 128 wide, 4 heads, block size 64, 0.438M parameters) on 2 of 2 live "
                               "peers", "seed 1 here, 0 on 2 of 2 live peers")
+        assert "joined run" not in mismatched.stdout + mismatched.stderr  # refused, so never said it joined
         children = [c for w in workers for c in descendants(w)]
         assert any(c.name() == "p2pd" for c in children)
         for w in workers:
@@ -125,11 +126,14 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
         assert {r["shard_index"] for r in reports} == {0, 1}, "peers must claim different data shards"
         for peer in reports:
             assert peer["stopped_by"] == "signal"
+            # the effective config is in the report, not one 1,800-character log line
+            assert peer["config"]["run_id"] == "clitest" and peer["config"]["diloco"]["local_steps"] == 10
             assert peer["outer_steps"] >= 2
             # every sync before the signal paired up; one in flight when both peers left may not have
             assert all(r["group_size"] == 2 for r in peer["rounds"][:synced_before_signal]), peer["rounds"]
         for i in range(2):  # failures hivemind reports are one line each without -v (tests/swarm/test_chaos.py)
             assert "Traceback" not in (tmp_path / f"w{i}.log").read_text()
+            assert "effective config" not in (tmp_path / f"w{i}.log").read_text()  # only at -v
         for i in range(2):
             log = (tmp_path / f"w{i}.log").read_text()
             assert "\r" not in log and "step/s]" not in log, f"a progress bar was drawn into w{i}.log:\n{log}"

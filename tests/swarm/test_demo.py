@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -38,6 +39,9 @@ def test_demo_trains_and_reports(tmp_path):
     a, b = summary["workers"]
     assert a["final_eval_loss"] == b["final_eval_loss"]
     assert "loss before" in result.stdout  # the printed table
+    # every file or folder it names is there to look at: a log folder removed on success is not named
+    named = [word.strip("(),;:") for word in result.stdout.split() if word.startswith(("/", "(/"))]
+    assert named and all(Path(path).exists() for path in named), named
 
     deadline = time.monotonic() + 15
     while p2pd_pids() - before and time.monotonic() < deadline:

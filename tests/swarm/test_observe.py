@@ -170,6 +170,9 @@ def test_the_dashboard_shows_the_swarm_in_a_browser(swarm):
     assert peers == {report(tmp, i)["peer_id"] for i in range(2)}
     assert seen["run_id"] == RUN and seen["private"] is False and seen["public_peers"] == 2
     assert {r["peer_id"] for r in seen["rounds"]} <= peers and seen["rounds"]
+    for peer in seen["peers"]:  # one throughput, in samples and in tokens (each sample is one block)
+        assert peer["block_size"] > 0
+        assert peer["tokens_per_s"] == pytest.approx(peer["samples_per_s"] * peer["block_size"]), peer
     status = json.loads(get(url + "api/status"))
     assert {p["peer_id"] for p in status["peers"]} == peers and set(status) == {"run_id", "peers", "public_peers",
                                                                                  "coverage"}

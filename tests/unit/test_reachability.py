@@ -92,6 +92,12 @@ def test_auto_picks_public_when_dialled_back_and_client_when_nobody_can_check(se
     assert "is on this host" in unknown.reason and "--reachability client" in unknown.reason
 
 
+def test_a_mode_the_command_sets_itself_is_not_called_forced():
+    assert decide("client", [], [LOOPBACK]).reason.startswith("--reachability client (forced)")  # the user's flag
+    bootstrap = decide("public", [], [LOOPBACK], role="a bootstrap peer always is (the others dial it to join)")
+    assert not bootstrap.client_mode and bootstrap.reason == "a bootstrap peer always is (the others dial it to join)"
+
+
 PEER = "/p2p/QmSbAKG9jyF7MwYzHavAbXAejvnWQ5r4i2Xy7keC7A66Tj"
 
 
