@@ -5,13 +5,19 @@ PIP := $(PYTHON) -m pip
 TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.1" || echo "torch==2.13.0")
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow test-docker test-netns test-all
+.PHONY: setup setup-demo demo test test-slow test-docker test-netns test-all
 
+# what the suite needs: the test tools and every optional extra the tests exercise
 setup:
 	$(PIP) install --quiet "$(TORCH_SPEC)"
 	$(PIP) install --quiet -e ".[test,hf,metrics,tensorboard,wandb]"
 
-demo: setup
+# what the demo needs: the core and matplotlib for its plots (the extras took 2 of its 2.5 minutes to install)
+setup-demo:
+	$(PIP) install --quiet "$(TORCH_SPEC)"
+	$(PIP) install --quiet -e ".[bench]"
+
+demo: setup-demo
 	$(PYTHON) -m p2ptrain demo --workers 2 --outer-steps 5 --local-steps 20
 
 # the default suite: unit and swarm tests, well under 15 minutes on 2 cores
