@@ -78,6 +78,17 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, leave)
 
 
+def parent_gone(parent: int, wait_s: float = 0.0) -> bool:
+    """Whether the process ``parent`` (this one's parent at start) is gone, waiting up to ``wait_s`` for it: a pipe
+    from a dying parent reads as closed a moment before this process is given a new parent."""
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == parent:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def remove_inherited_temp_dir() -> None:
     """The parent is gone (a SIGKILLed worker): remove the multiprocessing folder this forked child shares with it,
     which only the parent's normal exit would have removed (its siblings are leaving too)."""

@@ -19,7 +19,8 @@ from hivemind.p2p import P2P, P2PDaemonError
 
 from p2ptrain.config import SwarmConfig, check_maddrs  # noqa: F401 (SwarmConfig lived here; importers use this path)
 from p2ptrain.hivemind_compat import check_hivemind, p2p_socket_maddrs, track_new_p2ps
-from p2ptrain.lifeline import exit_on_sigterm, follow_parent, leave_process_group, on_forced_exit
+from p2ptrain.lifeline import (exit_on_sigterm, follow_parent, leave_process_group, on_forced_exit, parent_gone,
+                               remove_inherited_temp_dir)
 from p2ptrain.swarm.pipe import LockedWriter, PipeBroken, WholeMessageReader, process_alive
 from p2ptrain.swarm.admission import SwarmRefused, check_admission, serve_admission
 from p2ptrain.swarm.reachability import MODES, Reachability, SwarmUnreachable, decide, serve_probes
@@ -87,15 +88,24 @@ class FollowingDHT(hivemind.DHT):
         exit_on_sigterm()
         self._p2ps_made = track_new_p2ps()
         on_forced_exit(self._remove_own_sockets)
-        # the peer that made a fresh identity key died without stop_dht (SIGKILL): its folder goes with this process
-        on_forced_exit(lambda: self._identity_dir and shutil.rmtree(self._identity_dir, ignore_errors=True))
+        on_forced_exit(self._remove_identity_dir)
         self._inner_pipe = WholeMessageReader(self._inner_pipe)
+        parent = os.getppid()
         try:
             super().run()
         except PipeBroken as e:
             logger.error(f"the DHT process stops: its command pipe cannot be read any further ({e})")
+            if parent_gone(parent, wait_s=2.0):  # the peer died (SIGKILL, os._exit): it removes nothing now
+                remove_inherited_temp_dir()
         finally:  # hivemind removes them on a clean shutdown only
             self._remove_own_sockets()
+            self._remove_identity_dir()
+
+    def _remove_identity_dir(self) -> None:
+        """A fresh identity key's folder (start_dht made it for this DHT only) goes when this process ends, however
+        it ends: a peer that died without stop_dht (SIGKILL, os._exit) left it in TMPDIR, a private key."""
+        if self._identity_dir:
+            shutil.rmtree(self._identity_dir, ignore_errors=True)
 
     def _remove_own_sockets(self) -> None:
         node = getattr(self, "_node", None)
