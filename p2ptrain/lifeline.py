@@ -70,12 +70,17 @@ def exit_on_sigterm() -> None:
     """In a child process (the DHT's, the averager's): on SIGTERM (``stop_descendants`` of a rank or a peer that is
     being forced out), stop its own children and clean up as :func:`follow_parent` does, then exit with 143. The
     default action killed it on the spot, leaving its sockets in /tmp."""
-    def leave(signum, frame) -> None:
-        stop_descendants()
-        run_forced_exit_callbacks()
-        os._exit(128 + signum)
+    signal.signal(signal.SIGTERM, lambda signum, frame: _leave_now(128 + signum))
 
-    signal.signal(signal.SIGTERM, leave)
+
+def _leave_now(code: int, shared_folder: bool = False) -> None:
+    """The forced way out: stop this process's children, clean up (and with ``shared_folder``, once the parent is
+    gone, the multiprocessing folder this process shared with it), exit with ``code``."""
+    stop_descendants()
+    run_forced_exit_callbacks()
+    if shared_folder:
+        remove_inherited_temp_dir()
+    os._exit(code)
 
 
 def parent_gone(parent: int, wait_s: float = 0.0) -> bool:
@@ -105,10 +110,7 @@ def follow_parent(poll_s: float = POLL_S) -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(poll_s)
-        stop_descendants()
-        run_forced_exit_callbacks()
-        remove_inherited_temp_dir()
-        os._exit(1)
+        _leave_now(1, shared_folder=True)
 
     threading.Thread(target=watch, name="p2ptrain-follow-parent", daemon=True).start()
 

@@ -87,8 +87,7 @@ class FollowingDHT(hivemind.DHT):
         follow_parent()
         exit_on_sigterm()
         self._p2ps_made = track_new_p2ps()
-        on_forced_exit(self._remove_own_sockets)
-        on_forced_exit(self._remove_identity_dir)
+        on_forced_exit(self._clean_up)
         self._inner_pipe = WholeMessageReader(self._inner_pipe)
         parent = os.getppid()
         try:
@@ -97,13 +96,14 @@ class FollowingDHT(hivemind.DHT):
             logger.error(f"the DHT process stops: its command pipe cannot be read any further ({e})")
             if parent_gone(parent, wait_s=2.0):  # the peer died (SIGKILL, os._exit): it removes nothing now
                 remove_inherited_temp_dir()
-        finally:  # hivemind removes them on a clean shutdown only
-            self._remove_own_sockets()
-            self._remove_identity_dir()
+        finally:
+            self._clean_up()
 
-    def _remove_identity_dir(self) -> None:
-        """A fresh identity key's folder (start_dht made it for this DHT only) goes when this process ends, however
-        it ends: a peer that died without stop_dht (SIGKILL, os._exit) left it in TMPDIR, a private key."""
+    def _clean_up(self) -> None:
+        """What this process leaves, however it ends: its sockets (hivemind removes them on a clean shutdown only),
+        and a fresh identity key's folder (start_dht made it for this DHT alone; a peer that died without stop_dht,
+        by SIGKILL or os._exit, left it in TMPDIR: a private key)."""
+        self._remove_own_sockets()
         if self._identity_dir:
             shutil.rmtree(self._identity_dir, ignore_errors=True)
 
