@@ -13,16 +13,20 @@ these names, then run that test.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib
 import importlib.util
 import inspect
 import math
+import os
 import re
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, List, Optional, Tuple
+from typing import Any, Callable, Collection, Iterator, List, Optional, Tuple
+
+import psutil
 
 SUPPORTED_HIVEMIND = "1.1.12"
 
@@ -291,10 +295,11 @@ def register_runner(averager: Any, group_id: bytes, runner: Any) -> None:
     averager._running_groups[group_id].set_result(runner)
 
 
-def track_new_p2ps() -> List[Any]:
-    """From now on, every hivemind P2P this process makes is appended to the list returned. ``P2P.create`` makes
+@contextlib.contextmanager
+def p2ps_made() -> Iterator[List[Any]]:
+    """While inside, every hivemind P2P this process makes is appended to the list yielded. ``P2P.create`` makes
     one, then starts p2pd; when p2pd fails (an initial peer that refuses), nothing else keeps a reference to it, and
-    the sockets p2pd made in /tmp stay there."""
+    the sockets p2pd made in /tmp stay there (remove_unstarted_p2p_files removes them)."""
     from hivemind.p2p.p2p_daemon import P2P
 
     made: List[Any] = []
@@ -305,7 +310,32 @@ def track_new_p2ps() -> List[Any]:
         made.append(self)
 
     P2P.__init__ = init
-    return made
+    try:
+        yield made
+    finally:
+        P2P.__init__ = original
+
+
+def remove_unstarted_p2p_files(p2p: Any, wait_s: float = 2.0) -> None:
+    """Remove the sockets of a P2P whose start failed (hivemind removes nothing then), once its p2pd, which said it
+    failed and is exiting, is gone: until then it may still make them."""
+    child = getattr(p2p, "_child", None)
+    if child is not None:
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(child.pid).wait(timeout=wait_s)
+    for path in p2p_socket_paths(p2p):
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+def p2p_socket_paths(p2p: Any) -> List[str]:
+    """The unix socket files a hivemind P2P made in /tmp (hivemind-p2pclient-*.sock: its client's listen socket,
+    made with the first handler; hivemind-p2pd-*.sock: the daemon's control socket, if this P2P started p2pd)."""
+    paths = []
+    for maddr in p2p_socket_maddrs(p2p):
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            paths.append(maddr["unix"])
+    return paths
 
 
 def p2p_socket_maddrs(p2p: Any) -> List[Any]:

@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Callable, Iterable, List, Optional, Sequence
 
 import hivemind
-import psutil
 from hivemind.p2p import P2P, P2PDaemonError
 
 from p2ptrain.config import SwarmConfig, check_maddrs  # noqa: F401 (SwarmConfig lived here; importers use this path)
-from p2ptrain.hivemind_compat import check_hivemind, p2p_socket_maddrs, track_new_p2ps
+from p2ptrain.hivemind_compat import check_hivemind, p2p_socket_paths, p2ps_made, remove_unstarted_p2p_files
 from p2ptrain.lifeline import (exit_on_sigterm, follow_parent, leave_process_group, on_forced_exit, parent_gone,
                                remove_inherited_temp_dir)
 from p2ptrain.swarm.pipe import LockedWriter, PipeBroken, WholeMessageReader, process_alive
@@ -86,12 +85,12 @@ class FollowingDHT(hivemind.DHT):
         leave_process_group()
         follow_parent()
         exit_on_sigterm()
-        self._p2ps_made = track_new_p2ps()
         on_forced_exit(self._clean_up)
         self._inner_pipe = WholeMessageReader(self._inner_pipe)
         parent = os.getppid()
         try:
-            super().run()
+            with p2ps_made() as self._p2ps_made:
+                super().run()
         except PipeBroken as e:
             logger.error(f"the DHT process stops: its command pipe cannot be read any further ({e})")
             if parent_gone(parent, wait_s=2.0):  # the peer died (SIGKILL, os._exit): it removes nothing now
@@ -113,11 +112,7 @@ class FollowingDHT(hivemind.DHT):
             remove_files(p2p_socket_paths(node.p2p))
         for p2p in getattr(self, "_p2ps_made", []):
             if node is None or p2p is not node.p2p:  # a start that failed: hivemind removes nothing then
-                child = getattr(p2p, "_child", None)
-                if child is not None:  # p2pd said it failed and is exiting: the files it made are all there
-                    with suppress(psutil.Error):
-                        psutil.Process(child.pid).wait(timeout=2.0)
-                remove_files(p2p_socket_paths(p2p))
+                remove_unstarted_p2p_files(p2p)
 
     async def replicate_p2p(self) -> P2P:
         """hivemind's replica of the DHT's P2P for this process (the averager's process takes one), whose client
@@ -148,16 +143,6 @@ def _fail_command(command: tuple, error: Exception) -> bool:
 
 _replicas_seen: dict = {}
 """pid -> ids of the P2P replicas whose sockets are already set to be removed at that process's exit"""
-
-
-def p2p_socket_paths(p2p: P2P) -> List[str]:
-    """The unix socket files a hivemind P2P made in /tmp (hivemind-p2pclient-*.sock: its client's listen socket,
-    made with the first handler; hivemind-p2pd-*.sock: the daemon's control socket, if this P2P started p2pd)."""
-    paths = []
-    for maddr in p2p_socket_maddrs(p2p):
-        with suppress(KeyError, TypeError, ValueError):
-            paths.append(maddr["unix"])
-    return paths
 
 
 def remove_files(paths: Iterable[str]) -> None:

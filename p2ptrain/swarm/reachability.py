@@ -42,6 +42,7 @@ import psutil
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from p2ptrain.hivemind_compat import p2ps_made, remove_unstarted_p2p_files
 from p2ptrain.proto.p2ptrain_pb2 import ReachabilityReport, ReachabilityRequest
 
 logger = logging.getLogger(__name__)
@@ -174,12 +175,16 @@ logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_ClosedSocketFilter())
 
 async def _probe(initial_peers, host_maddrs, announce_maddrs, timeout_s) -> tuple:
     peer_ids = list(dict.fromkeys(Multiaddr(m)["p2p"] for m in initial_peers))[:MAX_ASKED]
-    try:
-        # dht_mode client: this daemon only asks; no identity: its peer id is a throw-away one
-        p2p = await P2P.create(initial_peers=list(initial_peers), host_maddrs=list(host_maddrs), dht_mode="client",
-                               startup_timeout=timeout_s, use_relay=False, auto_nat=False, nat_port_map=False)
-    except Exception as e:
-        raise SwarmUnreachable(_short(e)) from None
+    with p2ps_made() as made:
+        try:
+            # dht_mode client: this daemon only asks; no identity: its peer id is a throw-away one
+            p2p = await P2P.create(initial_peers=list(initial_peers), host_maddrs=list(host_maddrs),
+                                   dht_mode="client", startup_timeout=timeout_s, use_relay=False, auto_nat=False,
+                                   nat_port_map=False)
+        except Exception as e:
+            for unstarted in made:  # p2pd refused to start (an initial peer that refuses): its sockets stay
+                remove_unstarted_p2p_files(unstarted)
+            raise SwarmUnreachable(_short(e)) from None
     try:
         ports = set()
         for maddr in [*await p2p.get_visible_maddrs(), *map(Multiaddr, announce_maddrs)]:

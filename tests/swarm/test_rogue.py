@@ -218,6 +218,19 @@ def assert_same_as_alone(params, histories, alone, *, rogue_group_sizes=(2,)):
         assert all(r.group_size in rogue_group_sizes for r in history), history
 
 
+async def codes_until_hung_up(stream) -> list:
+    """The codes an honest peer answered a request with. It answers and hangs up; when that happens before the
+    rogue's end-of-stream marker is written, hivemind's writing task raises BrokenPipeError after the answers (CI
+    saw it once)."""
+    codes = []
+    try:
+        async for msg in stream:
+            codes.append(msg.code)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    return codes
+
+
 def test_a_peer_without_the_key_is_refused_everything(swarm_key, alone, capfd, logs_to_stderr):
     dhts = honest_swarm(swarm_key)
     rogue = hivemind.DHT(start=True, host_maddrs=[LOOPBACK], initial_peers=dhts[0].get_visible_maddrs())
@@ -235,12 +248,12 @@ def test_a_peer_without_the_key_is_refused_everything(swarm_key, alone, capfd, l
                 group_key=f"{PREFIX}.0b00000000")
             stream = await p2p.iterate_protobuf_handler(
                 honest[0], f"{PREFIX}::{SERVICER}.rpc_join_group", request, averaging_pb2.MessageFromLeader)
-            outcome["join"] = [msg.code async for msg in stream]
+            outcome["join"] = await codes_until_hung_up(stream)
             # 2. send a part of an all-reduce
             part = averaging_pb2.AveragingData(group_id=b"x" * 20, weight=1.0, tensor_part=runtime_pb2.Tensor())
             stream = await p2p.iterate_protobuf_handler(
                 honest[1], f"{PREFIX}::{SERVICER}.rpc_aggregate_part", part, averaging_pb2.AveragingData)
-            outcome["part"] = [msg.code async for msg in stream]
+            outcome["part"] = await codes_until_hung_up(stream)
             # 3. fetch the model: p2ptrain's chunked state transfer, and hivemind's own download
             outcome["info"] = await p2p.call_protobuf_handler(
                 honest[0], f"{PREFIX}::{SERVICER}.rpc_state_info", p2ptrain_pb2.StateInfoRequest(),
