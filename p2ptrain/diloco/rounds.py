@@ -211,7 +211,9 @@ class Rounds:
             recently = time.monotonic() - self.progress.others_seen_at < 2 * self.progress.period_s
             # while fewer than G are at the sync point: in the first round the late ones are peers still starting,
             # and the late-peer bound started the group without them (27 of 32 workers on 16 cores)
-            forming = forming_until is not None and now < forming_until and \
+            # ... until a peer has finished that round: then the round is under way, and nobody is waiting to form it
+            # (a mixing cell whose other member stepped alone kept its partner waiting out the 30 s)
+            forming = forming_until is not None and now < forming_until and not outlook.next_step and \
                 1 + len(ready) < min(cfg.target_group_size, len(members) if bits else cfg.target_group_size)
             # (a mixing group of one, this peer alone in its cell, has nobody to wait for either)
             # (members of our cell one step ahead averaged without us: they are not coming)

@@ -322,6 +322,22 @@ def test_a_mixing_cell_that_went_on_without_us_leaves_us_to_step_alone_not_behin
     assert plain.run(8.0, plain.position).kind is Outcome.BEHIND  # one group: anyone ahead is
 
 
+@pytest.mark.parametrize("mixing", [True, False])
+def test_the_first_round_stops_waiting_for_the_swarm_to_form_once_a_peer_has_finished_it(mixing):
+    """The swarm's first round waits (bounded, 30 s) for the group size the user named while its peers are still
+    starting. A peer that has already stepped past the round means nobody is forming it any more: a mixing peer
+    whose only cell-mate stepped alone steps alone at once (it waited out the 30 s, a test's 33 s); without mixing
+    it takes the state, as ever."""
+    host = Host([RoundOutlook(ahead=True, ready=[], late={}, next_step=["B"])], [], outer_step=0,
+                target_group_size=2, mixing=mixing)
+    outcome = host.run(0.0, host.position)
+    assert outcome.kind is (Outcome.ALONE if mixing else Outcome.BEHIND)
+    # at most the one look a first round makes for peers still starting, in a plain matchmaking window
+    assert outcome.attempts <= 1 and all(window_s < 1.0 for _, window_s, _ in host.averager.plans), host.averager.plans
+    starting = Host([look(late={"B": 3})], ["ok"], outer_step=0, target_group_size=2, mixing=mixing)
+    assert starting.run(8.0, starting.position).kind is Outcome.AVERAGED  # a peer still on its way: waited for
+
+
 def test_a_mixing_peer_that_may_not_step_alone_takes_the_state_once_nobody_is_left_at_its_step():
     """no_group_policy "wait" forbids the solo step that mixing groups take when the cell went on without us: with
     the swarm a step ahead and nobody left at our outer step, nobody will ever average this round with us, so the
