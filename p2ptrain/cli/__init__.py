@@ -8,12 +8,13 @@ Exit codes: 0 done, 2 bad input (flag, config, file, address, unreachable swarm)
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import sys
 import threading
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 import click
 
@@ -322,6 +323,33 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 _SKIP_FINALIZATION = False
+
+
+def entry_point() -> NoReturn:
+    """The ``p2ptrain`` command and ``python -m p2ptrain``: ``main``, then an exit that skips the interpreter's
+    finalization, which took 0.5-2.4 s after the work was done (tearing down torch's and hivemind's modules and
+    objects: a bad --swarm-key file's error came at 2.7 s and the process ended at 3.7 s). Everything Python's own
+    exit does for us still runs, in its order: non-daemon threads are joined, then the atexit callbacks
+    (multiprocessing's finalizers and children, logging's flush), then stdio is flushed."""
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    leave(code)
+
+
+def leave(code: int) -> NoReturn:
+    threading._shutdown()  # what Py_FinalizeEx does first: join non-daemon threads (and executors' at-exit hooks)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _in_rank_process() -> bool:
