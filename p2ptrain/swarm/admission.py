@@ -25,7 +25,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from p2ptrain.proto.p2ptrain_pb2 import AdmissionReport, AdmissionRequest
 from p2ptrain.security import SwarmAuth, _RateLimitedWarning
-from p2ptrain.swarm.reachability import _read_message, _short
+from p2ptrain.swarm.reachability import _read_message, _short, again_if_cut
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,8 @@ async def _ask_all(auth: SwarmAuth, peers: List[str], timeout_s: float, _dht, no
 
     async def ask(peer: str) -> Tuple:
         try:
-            report = await asyncio.wait_for(_exchange(node.p2p, PeerID.from_base58(peer), request), timeout_s)
+            report = await asyncio.wait_for(
+                again_if_cut(partial(_exchange, node.p2p, PeerID.from_base58(peer), request)), timeout_s)
             return peer, report, ""
         except Exception as e:  # an initial peer of an earlier version (no such protocol), gone, or too slow
             return peer, None, _short(e) if str(e) else type(e).__name__

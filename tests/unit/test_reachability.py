@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from p2ptrain.proto.p2ptrain_pb2 import ReachabilityReport, ReachabilityRequest
 from p2ptrain.swarm.dht import SwarmConfig, SwarmError, start_dht, stop_dht, visible_maddrs
-from p2ptrain.swarm.reachability import MAX_PORTS, PROBE_PROTOCOL, _answer, _read_message, _unprobed, decide
+from p2ptrain.swarm.reachability import (MAX_PORTS, PROBE_PROTOCOL, _answer, _read_message, _unprobed, decide,
+                                         probe)
 
 pytestmark = pytest.mark.timeout(120)
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -74,6 +75,40 @@ def test_probe_refuses_bad_requests_without_dialling(server):
     # a request announced larger than 1 KiB is refused before it is read
     report = ask(server, b"\x00" + struct.pack(">Q", 1 << 40))
     assert "does not parse" in report.error and "more than 1024" in report.error
+
+
+def test_an_answer_cut_off_on_its_way_is_asked_for_again():
+    """A peer whose first answer ends after its marker byte (the stream cut: CI saw a probe fail this way once, and
+    the join fell back to guessing its mode from the addresses) answers a second stream in full: the probe asks
+    twice and reports what the second answer says."""
+    streams, asked = [], []
+
+    async def serve_and_probe():
+        server = await P2P.create(host_maddrs=[LOOPBACK])
+
+        async def cut_then_answer(stream_info, reader, writer):
+            streams.append(stream_info.peer_id)
+            request = ReachabilityRequest.FromString(await _read_message(reader, 1 << 10))
+            asked.append(list(request.ports))
+            if len(streams) == 1:
+                writer.write(P2P.MESSAGE_MARKER)  # and nothing more
+            else:
+                writer.write(framed(ReachabilityReport(observed_maddr="/ip4/127.0.0.1/tcp/1",
+                                                       reachable_ports=request.ports)))
+            await writer.drain()
+            writer.close()
+
+        await server.add_binary_stream_handler(PROBE_PROTOCOL, cut_then_answer)
+        try:
+            maddrs = [str(m) for m in await server.get_visible_maddrs()]
+            return await asyncio.get_running_loop().run_in_executor(
+                None, lambda: probe(maddrs, [LOOPBACK], timeout_s=15))
+        finally:
+            await server.shutdown()
+
+    reports, errors = asyncio.run(serve_and_probe())
+    assert len(streams) == 2 and not errors, errors
+    assert asked[0] and list(reports[0][1].reachable_ports) == asked[0] == asked[1]
 
 
 def test_auto_picks_public_when_dialled_back_and_client_when_nobody_can_check(server):
