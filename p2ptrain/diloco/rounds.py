@@ -275,6 +275,7 @@ class Rounds:
                 # survivors, without waiting for the members whose range failed. Never fall back to our own
                 # pseudo-gradient here: the survivors would each apply a different one.
                 excluded |= self.averager.last_failed_members
+                forming_until = None  # a group met: the swarm is formed, and the survivors go again now
                 time.sleep(cfg.incomplete_settle_s)
                 if self.behind(self.outlook(position)) if cfg.mixing else \
                         self.swarm_outer_step() > position.outer_step:

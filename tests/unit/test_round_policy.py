@@ -129,6 +129,18 @@ def test_a_member_that_failed_mid_round_is_left_out_of_the_retries():
     assert [(target, expected) for target, _, expected in host.averager.plans] == [(3, ["B", "C"]), (2, ["B"])]
 
 
+def test_after_a_first_round_that_failed_mid_round_the_survivors_go_again_without_the_forming_wait():
+    """In the swarm's first round a group met and a member failed mid-round (a rogue caught sending poison): the
+    swarm has formed, so the retry with the survivors is planned for them now, not for the 30 s in which peers still
+    starting are waited for (the rogue test's retry took 31 s)."""
+    host = Host([look(ready=["B", "C"])], ["incomplete:C", "ok"], outer_step=0, swarm_outer_step=0,
+                target_group_size=4)
+    outcome = host.run(8.0, host.position)
+    assert outcome.kind is Outcome.AVERAGED and outcome.attempts == 2
+    (_, first_window_s, _), (target, window_s, expected) = host.averager.plans
+    assert first_window_s > 20 and (target, expected) == (2, ["B"]) and window_s < 1.0, host.averager.plans
+
+
 def test_members_that_committed_an_incomplete_round_make_us_take_their_state():
     host = Host([look(ready=["B"])], ["incomplete:B"], swarm_outer_step=6)
     outcome = host.run(8.0, host.position)
