@@ -183,7 +183,7 @@ cli.add_command(plot)
 def keygen(path: str) -> None:
     """Write a new swarm key to PATH (mode 0600). Give the same file to every peer of a private swarm with
     --swarm-key; peers without it cannot join groups, write records or download the model."""
-    from p2ptrain.security import KeyFileError, generate_swarm_key
+    from p2ptrain.keyfiles import KeyFileError, generate_swarm_key
 
     try:
         generate_swarm_key(path)

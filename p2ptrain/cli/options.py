@@ -72,9 +72,14 @@ def overrides_from(ctx: click.Context, params: Dict[str, Any]) -> Dict[str, Any]
 def load_run_config(ctx: click.Context, config_path: Optional[str], params: Dict[str, Any]):
     from p2ptrain.config import ConfigError, load_config
 
+    from p2ptrain.keyfiles import KeyFileError, load_swarm_key
+
     try:
-        return load_config(config_path, overrides_from(ctx, params))
-    except ConfigError as e:
+        config = load_config(config_path, overrides_from(ctx, params))
+        if config.swarm.swarm_key_file:  # before the heavy imports: a bad key file is said at once, not in 2.5 s
+            load_swarm_key(config.swarm.swarm_key_file)
+        return config
+    except (ConfigError, KeyFileError) as e:
         raise BadInput(str(e)) from None
 
 
