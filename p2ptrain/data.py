@@ -11,18 +11,28 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Protocol, Sequence, Union
 
 import torch
-
-if TYPE_CHECKING:
-    from p2ptrain.tokens import TokenFile
 
 CORPUS_DIR = Path(__file__).parent / "corpus"
 FILE_SEPARATOR = b"\n\n"
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-Tokens = Union[bytes, "TokenFile"]
+
+
+class TokenSource(Protocol):
+    """Tokens in a cache file that batches read rows from (``tokens.TokenFile``): what this module needs of them
+    (tokens.py builds on this module, not the other way round)."""
+
+    def __len__(self) -> int: ...
+
+    def view(self, start: int, end: int) -> "TokenSource": ...
+
+    def rows(self, starts: torch.Tensor, length: int) -> torch.Tensor: ...
+
+
+Tokens = Union[bytes, TokenSource]
 """training text: its bytes in memory (the byte-level path), or a token cache file"""
 
 
@@ -103,7 +113,7 @@ class _InMemory:
         return self._tokens[starts[:, None] + torch.arange(length)].long()
 
 
-def _token_range(data: Tokens, start: int, end: int) -> Union[_InMemory, "TokenFile"]:
+def _token_range(data: Tokens, start: int, end: int) -> Union[_InMemory, TokenSource]:
     """Tokens ``[start, end)`` of ``data``, to read rows from: a copy of that range of bytes, or a view of the file
     (nothing read until a batch needs it)."""
     return _InMemory(data[start:end]) if isinstance(data, bytes) else data.view(start, end)

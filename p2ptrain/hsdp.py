@@ -26,7 +26,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, NoReturn, Optional
+from typing import Any, Callable, Dict, List, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,10 +43,6 @@ from p2ptrain.lifeline import run_forced_exit_callbacks
 from p2ptrain.model_source import decoder_blocks
 from p2ptrain.schedules import Schedule, scale_lrs
 
-if TYPE_CHECKING:
-    from p2ptrain.ranks import LocalRanks
-
-
 def gpu_count_problem(train, nproc: int) -> str:
     """Why ``nproc`` ranks cannot each have a GPU of their own on this host (CUDA devices only), or ''."""
     if not (train.device.startswith("cuda") or (train.device == "auto" and torch.cuda.is_available())):
@@ -58,21 +54,21 @@ def gpu_count_problem(train, nproc: int) -> str:
     return ""
 
 
-def init_ranks(ranks: LocalRanks, device: torch.device, shard_size: Optional[int]):
-    """Start the process group and the (replicate, shard) mesh; ``shard_size`` ranks shard the model (default:
-    all of them), the rest replicate it."""
-    shard = shard_size or ranks.world
-    if shard < 1 or ranks.world % shard:
-        raise ConfigError(f"--shard-size {shard} does not divide the peer's {ranks.world} ranks; use a divisor")
+def init_ranks(world: int, local_rank: int, device: torch.device, shard_size: Optional[int]):
+    """Start the process group of the peer's ``world`` ranks and the (replicate, shard) mesh; ``shard_size`` ranks
+    shard the model (default: all of them), the rest replicate it."""
+    shard = shard_size or world
+    if shard < 1 or world % shard:
+        raise ConfigError(f"--shard-size {shard} does not divide the peer's {world} ranks; use a divisor")
     if device.type == "cuda":
-        if ranks.local_rank >= torch.cuda.device_count():
-            raise ConfigError(f"local rank {ranks.local_rank} has no GPU: this host has {torch.cuda.device_count()}; "
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"local rank {local_rank} has no GPU: this host has {torch.cuda.device_count()}; "
                               "start at most that many ranks per node")
-        torch.cuda.set_device(ranks.local_rank)
+        torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     global _ranks_started
     _ranks_started = True
-    return init_device_mesh(device.type, (ranks.world // shard, shard), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
 
 
 _ranks_started = False

@@ -128,7 +128,7 @@ def start_ranks(position: LocalRanks, device: torch.device, train: TrainConfig) 
         raise ConfigError(problem)
     if not position.leader:
         logging.getLogger("p2ptrain").setLevel(logging.WARNING)  # the leader speaks for the peer
-    return HsdpMesh(position, device, init_ranks(position, device, train.shard_size))
+    return HsdpMesh(position, device, init_ranks(position.world, position.local_rank, device, train.shard_size))
 
 
 def _optimizer_factories(cfg: RunConfig, dht, publisher: Optional[ProgressPublisher]):

@@ -19,7 +19,6 @@ same settings should land where ``diloco`` does (the swarm must not be worse tha
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
@@ -27,8 +26,9 @@ import torch
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 
 from p2ptrain.averaging.compression import ERROR_FEEDBACK_BY_DEFAULT, WireCodec, get_compression
+from p2ptrain.bench.replicas import Setup, inner_optimizer, inner_step, replica_data
 from p2ptrain.config import DiLoCoConfig
-from p2ptrain.data import ShardedBatches, eval_batches, evaluate, load_corpus, split_train_val
+from p2ptrain.data import evaluate
 from p2ptrain.model import build_model
 from p2ptrain.fragments import FragmentPlan
 from p2ptrain.mixing import groups_of
@@ -36,42 +36,10 @@ from p2ptrain.outer import (add_error_feedback_, group_average, load_stepped_sta
                             momentum_buffers, outer_step_, pseudo_gradient_, stepped_state_)
 
 
-@dataclass(frozen=True)
-class Setup:
-    model: str = "tiny"
-    peers: int = 4
-    batch_size: int = 16
-    steps: int = 600
-    seed: int = 0
-    eval_batches: int = 8  # held-out batches; the swarm's workers are given the same
-
-
-def _inner(params, cfg: DiLoCoConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=cfg.inner_lr, weight_decay=cfg.inner_weight_decay,
-                             betas=tuple(cfg.inner_betas))
-
-
-def _data(setup: Setup):
-    train, val = split_train_val(load_corpus(None))
-    block = build_model(setup.model).config.block_size
-    shards = [ShardedBatches(train, block_size=block, batch_size=setup.batch_size, shard_index=i,
-                             num_shards=setup.peers, seed=setup.seed) for i in range(setup.peers)]
-    return shards, eval_batches(val, block, setup.batch_size, setup.eval_batches)
-
-
-def _inner_step(models, inners, shards) -> None:
-    """One inner step of every replica, each on the next batch of its own shard."""
-    for model, inner, shard in zip(models, inners, shards):
-        x, y = next(shard)
-        model(x, y)[1].backward()
-        inner.step()
-        inner.zero_grad()
-
-
 def run_alone(setup: Setup, cfg: DiLoCoConfig = DiLoCoConfig()) -> float:
-    shards, held_out = _data(setup)
+    shards, held_out = replica_data(setup)
     model = build_model(setup.model, seed=setup.seed)
-    opt = _inner(model.parameters(), cfg)
+    opt = inner_optimizer(model.parameters(), cfg)
     for _ in range(setup.steps):
         x, y = next(shards[0])
         model(x, y)[1].backward()
@@ -81,9 +49,9 @@ def run_alone(setup: Setup, cfg: DiLoCoConfig = DiLoCoConfig()) -> float:
 
 
 def run_data_parallel(setup: Setup, cfg: DiLoCoConfig = DiLoCoConfig()) -> float:
-    shards, held_out = _data(setup)
+    shards, held_out = replica_data(setup)
     model = build_model(setup.model, seed=setup.seed)
-    opt = _inner(model.parameters(), cfg)
+    opt = inner_optimizer(model.parameters(), cfg)
     for _ in range(setup.steps):
         for shard in shards:  # gradient accumulation: the mean over K batches
             x, y = next(shard)
@@ -105,11 +73,11 @@ def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
     the run with local progress no round averaged: the blocking sync's last step leaves every replica equal).
     ``aggregation``: the reducers' rule (``robust.py``); ``attack``: what the last replica sends instead of its
     pseudo-gradient (it still trains honestly; the loss is the first replica's, an honest one)."""
-    shards, held_out = _data(setup)
+    shards, held_out = replica_data(setup)
     codec = get_compression(compression)
     feedback = compression in ERROR_FEEDBACK_BY_DEFAULT
     models = [build_model(setup.model, seed=setup.seed) for _ in range(setup.peers)]
-    inners = [_inner(m.parameters(), cfg) for m in models]
+    inners = [inner_optimizer(m.parameters(), cfg) for m in models]
     global_params = [p.detach().clone().requires_grad_(True) for p in models[0].parameters()]
     outer = make_outer_optimizer(global_params, lr=cfg.outer_lr, momentum=cfg.outer_momentum)
     residuals = [[torch.zeros_like(g) for g in global_params] for _ in models] if feedback else None
@@ -118,7 +86,7 @@ def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
     alpha = plan.merge_alpha if plan.overlap_steps > 0 else 0.0
     pending: Dict[int, list] = {}  # fragment -> the replicas' pseudo-gradients of it, taken at its launch step
     for step in range(1, setup.steps + 1):
-        _inner_step(models, inners, shards)
+        inner_step(models, inners, shards)
         launch = plan.due(step, plan.launch_at)
         if launch is not None:
             indices = plan.tensors[launch]
@@ -222,11 +190,11 @@ def run_mixing(setup: Setup, local_steps: int, group_size: Optional[int], compre
     ``spread`` per round (after it: max over replicas of ||theta_i - mean theta|| / ||mean theta||, theta the
     global parameters), ``mixed_groups`` per round (the groups that averaged stepped states) and ``groups`` per
     round (how many)."""
-    shards, held_out = _data(setup)
+    shards, held_out = replica_data(setup)
     codec = get_compression(compression)
     feedback = compression in ERROR_FEEDBACK_BY_DEFAULT
     models = [build_model(setup.model, seed=setup.seed) for _ in range(setup.peers)]
-    inners = [_inner(m.parameters(), cfg) for m in models]
+    inners = [inner_optimizer(m.parameters(), cfg) for m in models]
     global_params = [[p.detach().clone().requires_grad_(True) for p in m.parameters()] for m in models]
     outers = [make_outer_optimizer(g, lr=cfg.outer_lr, momentum=cfg.outer_momentum) for g in global_params]
     residuals = [[torch.zeros_like(g) for g in globals_] for globals_ in global_params] if feedback else None
@@ -236,7 +204,7 @@ def run_mixing(setup: Setup, local_steps: int, group_size: Optional[int], compre
     mixed_groups: List[int] = []
     group_counts: List[int] = []
     for step in range(1, setup.steps + 1):
-        _inner_step(models, inners, shards)
+        inner_step(models, inners, shards)
         if step % local_steps:
             continue
         sent = []

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 import torch
 
 from p2ptrain.averaging.sparse import DEFAULT_DECAY, DEFAULT_K, DEFAULT_OUTER_LR, Layout, accumulate_, send_
-from p2ptrain.bench.convergence import Setup, _data, _inner, _inner_step
+from p2ptrain.bench.replicas import Setup, inner_optimizer, inner_step, replica_data
 from p2ptrain.config import DiLoCoConfig
 from p2ptrain.data import evaluate
 from p2ptrain.model import build_model
@@ -36,9 +36,9 @@ def run_sparse(setup: Setup, local_steps: int, k: int = DEFAULT_K, decay: float 
     (its pseudo-gradient in fp16, what the dense fp16 codec encodes), ``syncs``, ``kept`` (values in one message)
     and ``union`` (per n, the mean over the syncs of how many entries the first n replicas' messages cover together:
     how far their top-k sets overlap, which decides what a sparse all-reduce moves)."""
-    shards, held_out = _data(setup)
+    shards, held_out = replica_data(setup)
     models = [build_model(setup.model, seed=setup.seed) for _ in range(setup.peers)]
-    inners = [_inner(m.parameters(), cfg) for m in models]
+    inners = [inner_optimizer(m.parameters(), cfg) for m in models]
     global_params = [p.detach().clone() for p in models[0].parameters()]
     layout = Layout(tuple(tuple(g.shape) for g in global_params), k=k)
     accumulators = [[torch.zeros_like(g) for g in global_params] for _ in models]
@@ -46,7 +46,7 @@ def run_sparse(setup: Setup, local_steps: int, k: int = DEFAULT_K, decay: float 
     syncs, message_bytes = 0, 0
     union = [0.0] * len(models)  # entries kept by any of the first n replicas, summed over the syncs
     for step in range(1, setup.steps + 1):
-        _inner_step(models, inners, shards)
+        inner_step(models, inners, shards)
         if step % local_steps:
             continue
         total = [torch.zeros_like(g) for g in global_params]

@@ -28,7 +28,7 @@ import torch
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 
 from p2ptrain.averaging.compression import get_compression
-from p2ptrain.bench.convergence import Setup, _data, _inner, _inner_step
+from p2ptrain.bench.replicas import Setup, inner_optimizer, inner_step, replica_data
 from p2ptrain.config import DiLoCoConfig
 from p2ptrain.data import evaluate
 from p2ptrain.model import build_model
@@ -45,17 +45,17 @@ def run_straggler(setup: Setup, local_steps: int, miss_every: int, policy: str,
         raise ValueError(f"policy {policy!r}: one of {', '.join(POLICIES)}")
     if miss_every < 2:
         raise ValueError(f"miss_every {miss_every}: at least 2 (a straggler that misses every round never averages)")
-    shards, held_out = _data(setup)
+    shards, held_out = replica_data(setup)
     codec = get_compression("fp16")
     models = [build_model(setup.model, seed=setup.seed) for _ in range(setup.peers)]
-    inners = [_inner(m.parameters(), cfg) for m in models]
+    inners = [inner_optimizer(m.parameters(), cfg) for m in models]
     global_params = [p.detach().clone().requires_grad_(True) for p in models[0].parameters()]
     outer = make_outer_optimizer(global_params, lr=cfg.outer_lr, momentum=cfg.outer_momentum)
     rounds = setup.steps // local_steps
     carried: Optional[List[torch.Tensor]] = None
     for r in range(1, rounds + 1):
         for _ in range(local_steps):
-            _inner_step(models, inners, shards)
+            inner_step(models, inners, shards)
         sent = []
         for model in models:
             pseudo_gradient = [torch.empty_like(g) for g in global_params]
