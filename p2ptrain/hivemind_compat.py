@@ -19,7 +19,6 @@ import importlib
 import importlib.util
 import inspect
 import math
-import os
 import re
 import sys
 import time
@@ -27,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterator, List, Optional, Tuple
 
 import psutil
+
+from p2ptrain.lifeline import remove_files
 
 SUPPORTED_HIVEMIND = "1.1.12"
 
@@ -323,9 +324,7 @@ def remove_unstarted_p2p_files(p2p: Any, wait_s: float = 2.0) -> None:
     if child is not None:
         with contextlib.suppress(psutil.Error):
             psutil.Process(child.pid).wait(timeout=wait_s)
-    for path in p2p_socket_paths(p2p):
-        with contextlib.suppress(OSError):
-            os.remove(path)
+    remove_files(p2p_socket_paths(p2p))
 
 
 def p2p_socket_paths(p2p: Any) -> List[str]:

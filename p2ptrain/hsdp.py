@@ -23,8 +23,6 @@ during a sync.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, NoReturn, Optional
 
@@ -39,7 +37,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from p2ptrain.checkpoint import latest_sharded_or_raise, load_checkpoint, point_latest_at, save_checkpoint
 from p2ptrain.config import ConfigError
 from p2ptrain.diloco import DiLoCoOptimizer
-from p2ptrain.lifeline import run_forced_exit_callbacks
+from p2ptrain.lifeline import exit_now, run_forced_exit_callbacks
 from p2ptrain.model_source import decoder_blocks
 from p2ptrain.schedules import Schedule, scale_lrs
 
@@ -93,12 +91,7 @@ def exit_rank(code: int) -> NoReturn:
     atomically and closed, and the child processes were stopped."""
     run_forced_exit_callbacks()  # the files in TMPDIR that atexit and multiprocessing's finalizers would remove
     logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    exit_now(code)
 
 
 def shard_model(model: torch.nn.Module, mesh) -> None:

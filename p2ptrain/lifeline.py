@@ -16,9 +16,11 @@ import multiprocessing.util
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
-from typing import Callable, List, Tuple
+from contextlib import suppress
+from typing import Callable, Iterable, List, NoReturn, Tuple
 
 import psutil
 
@@ -64,6 +66,24 @@ def run_forced_exit_callbacks() -> None:
                 finalizer()  # a no-op in any process but the one that made the folder
             except Exception:
                 pass
+
+
+def remove_files(paths: Iterable[str]) -> None:
+    """Remove what exists of ``paths`` (clean-up: a file already gone is fine)."""
+    for path in paths:
+        with suppress(OSError):
+            os.remove(path)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush stdio and end the process with ``code``, skipping the interpreter's finalization: for the ways out
+    that ran their own clean-up first (``hsdp.exit_rank``, the CLI's ``leave``)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def exit_on_sigterm() -> None:

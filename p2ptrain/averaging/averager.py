@@ -39,7 +39,7 @@ from p2ptrain.averaging.state_transfer import StateTransferMixin
 from p2ptrain.finite import all_finite
 from p2ptrain.lifeline import exit_on_sigterm, follow_parent, leave_process_group, on_forced_exit
 from p2ptrain.hivemind_compat import p2p_socket_paths
-from p2ptrain.swarm.dht import remove_files
+from p2ptrain.lifeline import remove_files
 from p2ptrain.swarm.pipe import WholeMessageReader
 from p2ptrain.security import SwarmAuth
 

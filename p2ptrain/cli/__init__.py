@@ -342,14 +342,11 @@ def entry_point() -> NoReturn:
 
 
 def leave(code: int) -> NoReturn:
+    from p2ptrain.lifeline import exit_now
+
     threading._shutdown()  # what Py_FinalizeEx does first: join non-daemon threads (and executors' at-exit hooks)
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    exit_now(code)
 
 
 def _in_rank_process() -> bool:

@@ -11,7 +11,7 @@ import threading
 import time
 from contextlib import suppress
 from pathlib import Path
-from typing import Callable, Iterable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import hivemind
 from hivemind.p2p import P2P, P2PDaemonError
@@ -19,7 +19,7 @@ from hivemind.p2p import P2P, P2PDaemonError
 from p2ptrain.config import SwarmConfig, check_maddrs  # noqa: F401 (SwarmConfig lived here; importers use this path)
 from p2ptrain.hivemind_compat import check_hivemind, p2p_socket_paths, p2ps_made, remove_unstarted_p2p_files
 from p2ptrain.lifeline import (exit_on_sigterm, follow_parent, leave_process_group, on_forced_exit, parent_gone,
-                               remove_inherited_temp_dir)
+                               remove_files, remove_inherited_temp_dir)
 from p2ptrain.swarm.pipe import LockedWriter, PipeBroken, WholeMessageReader, process_alive
 from p2ptrain.swarm.admission import SwarmRefused, check_admission, serve_admission
 from p2ptrain.swarm.reachability import MODES, Reachability, SwarmUnreachable, decide, serve_probes
@@ -143,12 +143,6 @@ def _fail_command(command: tuple, error: Exception) -> bool:
 
 _replicas_seen: dict = {}
 """pid -> ids of the P2P replicas whose sockets are already set to be removed at that process's exit"""
-
-
-def remove_files(paths: Iterable[str]) -> None:
-    for path in paths:
-        with suppress(OSError):
-            os.remove(path)
 
 
 async def _dht_socket_paths(_dht: hivemind.DHT, node) -> List[str]:
