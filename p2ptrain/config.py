@@ -18,23 +18,19 @@ Precedence, highest first: command-line flag, P2PTRAIN_* environment variable, c
 Each setting is declared once, as a field below: its type, its default, the docstring under it (the flag's help
 text), and through ``setting(...)`` its bounds or choices and its flag name when that is not the field's. ``settings()``
 derives from it the TOML key, the flag, the environment variable and the checks ``validate`` runs; the CLI builds its
-options from ``settings()`` (cli/options.py).
+options from ``settings()`` (cli/options.py). That machinery is settings.py, and the checks that involve several
+settings are config_checks.py: this module declares the sections, and loads and validates a RunConfig with them.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
-import math
 import os
-import re
 import socket
-import sys
-import typing
-from dataclasses import MISSING, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 # This module imports nothing heavy (no torch, no hivemind): the CLI reads it to build --help, which must start at
 # once. What it needs from the heavy modules is spelled out here; tests/unit/test_startup.py checks that they agree.
@@ -51,28 +47,21 @@ LR_SCHEDULES = ("constant", "cosine", "linear")
 """schedules.py's inner learning-rate schedules after the warm-up"""
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 """train_loop.py's autocast modes; auto: bf16 on CUDA, fp32 on CPU"""
-MAX_RUN_ID_CHARS = 64
-"""a run id is part of every record peers store (swarm/pipe.py: RECORD_MAX_BYTES bounds them)"""
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
-from p2ptrain.fragments import check_schedule  # light: no torch
-from p2ptrain.hivemind_compat import multiaddr_class  # light: hivemind's address parser without hivemind itself
-from p2ptrain.model_config import MODEL_SIZES  # light: the built-in shapes, without torch
-
-
-def setting(default: Any = MISSING, *, factory: Any = MISSING, flag: Optional[str] = None,
-            at_least: Optional[float] = None, above: Optional[float] = None, below: Optional[float] = None,
-            choices: Optional[Sequence[str]] = None, file: bool = False, fix: Optional[str] = None) -> Any:
-    """A config field and what the flag, the environment variable and ``validate`` need to know about it beyond its
-    type and default: ``flag`` where it is not the field's name (``--matchmaking-time`` for matchmaking_time_s, the
-    unit dropped), bounds (``at_least`` inclusive, ``above``/``below`` exclusive; of each item of a list), ``choices``,
-    ``file`` (a path to a file: --help shows FILE) and ``fix``, said after a bound's error."""
-    metadata = dict(flag=flag, at_least=at_least, above=above, below=below, choices=choices, file=file, fix=fix)
-    return field(default=default, default_factory=factory, metadata=metadata)
+# what moved to settings.py and config_checks.py is imported here too: importers use this path
+from p2ptrain.config_checks import (  # noqa: F401
+    DATA_SUFFIXES,
+    FACTORY_PATTERN,
+    HUB_ID_PATTERN,
+    MAX_RUN_ID_CHARS,
+    check_combinations,
+    check_maddrs,
+    is_hub_dataset,
+    model_kind,
+    model_source_problem,
+    multi_rank_problem,
+)
+from p2ptrain.settings import ConfigError, Setting, derive_settings, read_toml, setting  # noqa: F401
 
 
 @dataclass
@@ -111,10 +100,6 @@ def default_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # no sched_getaffinity (macOS, Windows)
         return max(1, os.cpu_count() or 1)
-
-
-class ConfigError(ValueError):
-    """A bad config value or file; the message names the field and the fix."""
 
 
 @dataclass
@@ -325,109 +310,10 @@ class RunConfig:
 SECTIONS = {"swarm": SwarmConfig, "diloco": DiLoCoConfig, "train": TrainConfig, "observe": ObserveConfig}
 
 
-# ------------------------------------------------------------------------------------- settings, from the fields
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One setting as the config file, the command line and the environment name it, derived from its field."""
-
-    key: str
-    """the TOML key, the name errors use: diloco.local_steps (run_id at the top level)"""
-    flag: str
-    """the flag, e.g. --local-steps (a bool's also has a --no- form)"""
-    env: str
-    """the environment variable, e.g. P2PTRAIN_LOCAL_STEPS; a list's items are separated by spaces there"""
-    type: type
-    """int, float, str or bool: of the value, or of each item of a list"""
-    many: bool
-    """a list: the flag is repeatable"""
-    optional: bool
-    """None (unset) is a value"""
-    default: Any
-    doc: str
-    """the docstring under the field, on one line"""
-    at_least: Optional[float] = None
-    above: Optional[float] = None
-    below: Optional[float] = None
-    choices: Optional[Tuple[str, ...]] = None
-    file: bool = False
-    fix: Optional[str] = None
-
-    @property
-    def help(self) -> str:
-        """The doc as --help shows it: a sentence."""
-        text = self.doc[:1].upper() + self.doc[1:]
-        text += "" if text.endswith(".") else "."
-        return text + " Repeatable." if self.many else text
-
-    def problem(self, value: Any) -> Optional[str]:
-        """What is wrong with ``value`` for this setting, in the words of a one-line error; None if nothing."""
-        if value is None:
-            return None
-        for item in value if self.many else [value]:
-            if self.choices is not None and item not in self.choices:
-                return f"{self.key} {item!r} is unknown; use one of: {', '.join(self.choices)}"
-            if self.type is float and not math.isfinite(item):
-                return f"{self.key} must be a finite number, got {value}"
-            low_ok = ((self.at_least is None or item >= self.at_least) and (self.above is None or item > self.above))
-            if low_ok and (self.below is None or item < self.below):
-                continue
-            if self.below is not None:
-                low = f"[{self.at_least}" if self.above is None else f"({self.above}"
-                bound = f"in {low}, {self.below})"
-            elif self.above is not None:
-                bound = "positive" if self.above == 0 else f"above {self.above}"
-            else:
-                bound = f"at least {self.at_least}"
-            return f"{self.key} must be {bound}, got {value}" + (f"; {self.fix}" if self.fix else "")
-        return None
-
-
 @functools.lru_cache(maxsize=None)
 def settings() -> Tuple[Setting, ...]:
     """Every setting of a RunConfig, in the order of the fields: run_id, then [swarm], [diloco], [train]."""
-    docs = _field_docs()
-    found = []
-    for section, cls in [("", RunConfig), *SECTIONS.items()]:
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if not section and f.name in SECTIONS:
-                continue
-            kind, optional = hints[f.name], False
-            if typing.get_origin(kind) is typing.Union:  # Optional[X]
-                (kind,), optional = [a for a in typing.get_args(kind) if a is not type(None)], True
-            many = typing.get_origin(kind) is list
-            kind = typing.get_args(kind)[0] if many else kind
-            meta = f.metadata
-            flag = meta.get("flag") or "--" + f.name.removesuffix("_s").replace("_", "-")
-            choices = meta.get("choices")
-            found.append(Setting(
-                key=f"{section}.{f.name}" if section else f.name, flag=flag,
-                env="P2PTRAIN_" + flag[2:].replace("-", "_").upper(), type=kind, many=many, optional=optional,
-                default=f.default if f.default is not MISSING else f.default_factory(),
-                doc=docs.get((cls.__name__, f.name), ""), at_least=meta.get("at_least"), above=meta.get("above"),
-                below=meta.get("below"), choices=tuple(choices) if choices else None, file=meta.get("file", False),
-                fix=meta.get("fix"),
-            ))
-    return tuple(found)
-
-
-def _field_docs() -> Dict[Tuple[str, str], str]:
-    """{(class name, field name): the docstring under the field, on one line}, read from this file's source (Python
-    keeps no such docstring at run time). Without the source (a frozen build), the help texts are empty."""
-    try:
-        tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
-    except (OSError, SyntaxError):  # pragma: no cover
-        return {}
-    docs = {}
-    for cls in (node for node in tree.body if isinstance(node, ast.ClassDef)):
-        for node, after in zip(cls.body, cls.body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                    and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                    and isinstance(after.value.value, str)):
-                docs[(cls.name, node.target.id)] = " ".join(after.value.value.split())
-    return docs
+    return derive_settings(RunConfig, SECTIONS)
 
 
 # ----------------------------------------------------------------------------------------- load and validate
@@ -437,7 +323,7 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[Dict[str,
     """Defaults, then the TOML file at ``path``, then ``overrides`` ({"diloco.local_steps": 20, "run_id": ...})."""
     config = RunConfig()
     if path is not None:
-        _apply(config, _read_toml(Path(path)), source=str(path))
+        _apply(config, read_toml(Path(path)), source=str(path))
     for dotted, value in (overrides or {}).items():
         section, _, name = dotted.rpartition(".")
         _set(config, section, name, value, source="command line")
@@ -446,28 +332,10 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[Dict[str,
     return config
 
 
-def multi_rank_problem(train, nproc: int) -> str:
-    """Why this training config (``RunConfig.train``) cannot run as a peer of ``nproc`` ranks, or an empty string."""
-    if train.batch_size % nproc:
-        return f"--batch-size {train.batch_size} does not split over {nproc} ranks; use a multiple of {nproc}"
-    if train.shard_size is not None and nproc % train.shard_size:
-        return f"--shard-size {train.shard_size} does not divide --nproc-per-node {nproc}; use a divisor"
-    return ""
-
-
 def expand_hostname(path: Optional[str]) -> Optional[str]:
     """``{hostname}`` in a path becomes this host's name: peers that share a volume (containers of one compose
     service) each keep their files apart, and a restarted container finds its own again. None stays None."""
     return path.replace("{hostname}", socket.gethostname()) if path else path
-
-
-def _read_toml(path: Path) -> Dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist; pass an existing TOML file to --config")
-    try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {path} is not valid TOML ({e}); fix the syntax at that spot") from None
 
 
 def _apply(config: RunConfig, table: Dict[str, Any], source: str) -> None:
@@ -489,48 +357,7 @@ def _set(config: RunConfig, section: str, name: str, value: Any, source: str) ->
     if where not in known:
         names = ", ".join(key.rpartition(".")[2] for key in known)
         raise ConfigError(f"{source}: unknown setting {where!r}; known settings here: {names}")
-    setattr(getattr(config, section) if section else config, name, _coerce(known[where], value, source))
-
-
-def _coerce(s: Setting, value: Any, source: str) -> Any:
-    """Check a value against the setting's declared type, with the one-line message the user needs."""
-    if value is None:
-        if s.optional:
-            return None
-        raise ConfigError(f"{source}: {s.key} cannot be empty")
-    if not s.many:
-        return _coerce_one(s, value, value, source)
-    if isinstance(value, (str, int, float)):
-        value = [value]
-    if not isinstance(value, (list, tuple)):
-        raise ConfigError(f"{source}: {s.key} must be a list, got {value!r}")
-    return [_coerce_one(s, item, value, source) for item in value]
-
-
-def _coerce_one(s: Setting, item: Any, value: Any, source: str) -> Any:
-    if s.type is float and isinstance(item, int) and not isinstance(item, bool):
-        return float(item)
-    if s.type is not bool and isinstance(item, bool) or not isinstance(item, s.type):
-        name = s.type.__name__
-        kind = f"{'an' if name == 'int' else 'a'} {name}" if not s.many else f"a list of {name}"
-        raise ConfigError(f"{source}: {s.key} must be {kind}, got {value!r}")
-    return item
-
-
-def check_maddrs(maddrs: Sequence[str], option: str, *, need_peer_id: bool = False) -> None:
-    """Raise ValueError naming ``option`` for an address that is not a multiaddr (or lacks /p2p/<id>)."""
-    multiaddr = multiaddr_class()
-    for maddr in maddrs:
-        try:
-            parsed = multiaddr(maddr)
-        except Exception:
-            raise ValueError(
-                f"{option}: {maddr!r} is not a multiaddr; write it like /ip4/203.0.113.7/tcp/31337/p2p/Qm..."
-            ) from None
-        if need_peer_id and "p2p" not in [proto.name for proto in parsed.protocols()]:
-            raise ValueError(
-                f"{option}: {maddr!r} has no /p2p/<peer id> part; copy the full address the peer printed at start"
-            )
+    setattr(getattr(config, section) if section else config, name, known[where].coerce(value, source))
 
 
 def validate(config: RunConfig) -> None:
@@ -541,100 +368,4 @@ def validate(config: RunConfig) -> None:
         problem = s.problem(getattr(getattr(config, section) if section else config, name))
         if problem:
             raise ConfigError(problem)
-    d, t, s = config.diloco, config.train, config.swarm
-
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            raise ConfigError(message)
-
-    need(bool(config.run_id) and "." not in config.run_id and " " not in config.run_id
-         and len(config.run_id) <= MAX_RUN_ID_CHARS,
-         f"run_id {config.run_id[:80]!r}{'...' if len(config.run_id) > 80 else ''} must be 1-{MAX_RUN_ID_CHARS} "
-         "characters without dots or spaces; e.g. --run-id exp1")
-    need(len(d.inner_betas) == 2, f"diloco.inner_betas must be two numbers in [0, 1), got {d.inner_betas}")
-    need(d.target_group_size is None or d.target_group_size >= d.min_group_size,
-         "diloco.target_group_size must be at least diloco.min_group_size")
-    need(d.compression != "sparse" or d.target_group_size is None,
-         "--compression sparse averages the whole swarm in one group: drop --target-group-size (to wait for N peers "
-         "before the first round, use --wait-for-peers N)")
-    need(d.compression != "sparse" or d.aggregation == "mean",
-         f"--aggregation {d.aggregation} needs a butterfly codec: the sparse all-gather averages every message on every "
-         "member; use --compression fp16 with it, or --aggregation mean")
-    need(t.shard_index is None or t.shard_index < t.num_shards,
-         f"train.shard_index {t.shard_index} must be in [0, {t.num_shards}); or leave it unset to claim one")
-    need(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),
-         f"train.device {t.device!r} is unknown; use auto, cpu, cuda or cuda:N")
-    try:
-        check_maddrs(s.initial_peers, "--initial-peers", need_peer_id=True)
-        check_maddrs(s.host_maddrs, "--host-maddrs")
-        check_maddrs(s.announce_maddrs, "--announce-maddrs")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    need(t.micro_batch_size is None or t.batch_size % t.micro_batch_size == 0,
-         f"train.micro_batch_size {t.micro_batch_size} must divide train.batch_size {t.batch_size}; e.g. "
-         f"--micro-batch-size {_largest_divisor(t.batch_size, t.micro_batch_size)}")
-    need(d.lr_schedule == "constant" or d.total_steps is not None,
-         f"diloco.lr_schedule {d.lr_schedule!r} needs diloco.total_steps: the inner step at which it ends "
-         "(--total-steps)")
-    need(d.total_steps is None or d.total_steps > d.warmup_steps,
-         f"diloco.total_steps {d.total_steps} must be above diloco.warmup_steps {d.warmup_steps}")
-    try:
-        check_schedule(d.local_steps, d.fragments, d.overlap_steps, d.merge_alpha)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    problem = model_source_problem(t.model)
-    need(not problem, problem)
-    from p2ptrain.observe.loggers import LogToError, parse_log_to  # light: parsing only
-
-    for spec in config.observe.log_to:
-        try:
-            parse_log_to(spec)
-        except LogToError as e:
-            raise ConfigError(str(e)) from None
-
-
-def _largest_divisor(n: int, at_most: Optional[int]) -> int:
-    return max(k for k in range(1, min(n, at_most or n) + 1) if n % k == 0)
-
-
-FACTORY_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-"""package.module:function"""
-HUB_ID_PATTERN = re.compile(r"^[\w.-]+/[\w.-]+$")
-"""a Hugging Face hub id: owner/name (the hub's bare legacy names have owner/name aliases: openai-community/gpt2)"""
-
-DATA_SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow")
-"""the files --data reads (tokens.py)"""
-_HUB_DATASET = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-def is_hub_dataset(value: str) -> bool:
-    """Whether a --data value that is no file or folder here names a Hugging Face dataset (owner/name) rather than a
-    missing file: ``./nope.txt`` and ``data/train.jsonl`` are files that are not there."""
-    return bool(_HUB_DATASET.fullmatch(value)) and Path(value).suffix not in DATA_SUFFIXES
-
-
-def model_kind(model: str) -> str:
-    """What --model names: "builtin", "factory" (package.module:function), "hf_dir" (an existing folder) or "hub"
-    (anything else shaped like a hub id). Cheap: no import, at most a stat."""
-    if model in MODEL_SIZES:
-        return "builtin"
-    if FACTORY_PATTERN.match(model):
-        return "factory"
-    if os.path.isdir(os.path.expanduser(model)):
-        return "hf_dir"
-    return "hub"
-
-
-def model_source_problem(model: str) -> str:
-    """Why --model cannot name a model (one line, with the fix), or ''."""
-    sizes = ", ".join(MODEL_SIZES)
-    kind = model_kind(model)
-    path = Path(os.path.expanduser(model))
-    if kind == "hf_dir" and not (path / "config.json").is_file():
-        return (f"--model {model}: the folder has no config.json; point --model at a Hugging Face model folder "
-                f"(config.json, and weights to continue from), or use a built-in size ({sizes})")
-    if kind == "hub" and (path.exists() or not HUB_ID_PATTERN.match(model)):
-        what = "is a file, not a folder" if path.is_file() else "is unknown"
-        return (f"train.model {model!r} {what}; use a built-in size ({sizes}), a Hugging Face model folder, a hub "
-                "id (owner/name) or package.module:factory")
-    return ""
+    check_combinations(config)
