@@ -1,10 +1,10 @@
 """Training text: load the corpus, hold out a validation split, cut the rest into per-peer shards.
 
 The built-in models read raw bytes, so their corpus is just the bytes of the files, joined, in memory. Any other
-tokenizer's tokens are in a cache file on disk (``tokens.TokenFile``, made by ``tokens.py``), read a batch's rows at a
-time; the split, the shards and the batches below work on either, a byte being a token. Every peer of a run must load
-the same corpus (same files, same order, same tokenizer): the shards and the validation split are token ranges of it,
-and peers that disagree on it would overlap their shards and report eval losses that cannot be compared.
+tokenizer's tokens are in a cache file on disk (``tokens.TokenFile``, made by ``tokens/cache.py``), read a batch's
+rows at a time; the split, the shards and the batches below work on either, a byte being a token. Every peer of a run
+must load the same corpus (same files, same order, same tokenizer): the shards and the validation split are token ranges
+of it, and peers that disagree on it would overlap their shards and report eval losses that cannot be compared.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 class TokenSource(Protocol):
     """Tokens in a cache file that batches read rows from (``tokens.TokenFile``): what this module needs of them
-    (tokens.py builds on this module, not the other way round)."""
+    (p2ptrain/tokens builds on this module, not the other way round)."""
 
     def __len__(self) -> int: ...
 

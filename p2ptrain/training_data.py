@@ -1,5 +1,5 @@
 """A worker's training and held-out data for its model: text files as raw bytes (the built-in byte-level models),
-or anything else tokenized into a cached token file (``tokens.py``).
+or anything else tokenized into a cached token file (``tokens/cache.py``).
 
 Bytes stay the fast path they were: .txt files (or folders of them, or the built-in corpus) with the byte
 "tokenizer" are read into memory as before, and their shards, cursors and held-out split are unchanged. Any other
