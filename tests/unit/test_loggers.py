@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from p2ptrain.observe import MissingExtra
-from p2ptrain.observe import loggers as loggers_module
+from p2ptrain.observe import sinks as sinks_module
 from p2ptrain.observe.loggers import LogTarget, LogToError, TrainingLoggers, parse_log_to, wandb_needs_offline
 
 PEER_ID = "12D3KooWQxk1pQsPr2ej9UBrfA5UWfngQVgq2Sv8VfMpeFgs4Jh5"
@@ -145,7 +145,7 @@ def test_a_failing_sink_is_switched_off_and_the_other_goes_on(tmp_path, monkeypa
 
     monkeypatch.setattr(SummaryWriter, "add_scalar", disk_full)
     loggers = _loggers(parse_log_to(f"tensorboard:{full}"), parse_log_to(f"tensorboard:{fine}")).open()
-    with caplog.at_level(logging.DEBUG, logger="p2ptrain.observe.loggers"):
+    with caplog.at_level(logging.DEBUG, logger="p2ptrain.observe"):
         for step in range(1, 4):
             loggers.scalars(_values(step), step=step)  # never raises
     loggers.close()
@@ -257,7 +257,7 @@ class _FakeRun:
 def test_wandb_failures_while_starting_or_training_are_logged_not_raised(wandb_env, monkeypatch, caplog):
     """W&B stand-in: a start that fails (a refused key) leaves W&B out; a log call that fails later switches it
     off; TensorBoard goes on in both cases."""
-    monkeypatch.setattr(loggers_module, "wandb_needs_offline", lambda: True)
+    monkeypatch.setattr(sinks_module, "wandb_needs_offline", lambda: True)
     failing = _FakeRun(wandb_env / "offline-run-x", fail=True)
 
     def refused(**kwargs):
@@ -270,7 +270,7 @@ def test_wandb_failures_while_starting_or_training_are_logged_not_raised(wandb_e
         caplog.clear()
         board = wandb_env / f"board-{attempt}"
         loggers = _loggers(parse_log_to("wandb:proj"), parse_log_to(f"tensorboard:{board}"))
-        with caplog.at_level(logging.INFO, logger="p2ptrain.observe.loggers"):
+        with caplog.at_level(logging.INFO, logger="p2ptrain.observe"):
             loggers.open()
             for step in range(1, 4):
                 loggers.scalars(_values(step), step=step)
@@ -282,7 +282,7 @@ def test_wandb_failures_while_starting_or_training_are_logged_not_raised(wandb_e
 
 
 def test_wandb_records_offline_when_the_server_does_not_answer(wandb_env, monkeypatch, caplog):
-    monkeypatch.setattr(loggers_module, "wandb_needs_offline", lambda: False)  # a key is configured
+    monkeypatch.setattr(sinks_module, "wandb_needs_offline", lambda: False)  # a key is configured
     run, modes = _FakeRun(wandb_env / "offline-run-y"), []
 
     def init(**kwargs):
@@ -292,7 +292,7 @@ def test_wandb_records_offline_when_the_server_does_not_answer(wandb_env, monkey
         return run
 
     monkeypatch.setitem(sys.modules, "wandb", _fake_wandb(init))
-    with caplog.at_level(logging.INFO, logger="p2ptrain.observe.loggers"):
+    with caplog.at_level(logging.INFO, logger="p2ptrain.observe"):
         loggers = _loggers(parse_log_to("wandb")).open()
         loggers.scalars(_values(1), step=1)
         loggers.close()
@@ -314,7 +314,7 @@ def test_wandb_offline_run_read_back(wandb_env, monkeypatch, caplog, wandb_mode,
     hooks = (sys.excepthook, sys.exit)
     started_s = time.monotonic()
     loggers = _loggers(parse_log_to("wandb:p2ptrain-test"))
-    with caplog.at_level(logging.DEBUG, logger="p2ptrain.observe.loggers"):
+    with caplog.at_level(logging.DEBUG, logger="p2ptrain.observe"):
         loggers.open()
         during = _wandb_children()
         for step in range(1, 6):
