@@ -92,7 +92,7 @@ def check_combinations(config) -> None:
         raise ConfigError(str(e)) from None
     problem = model_source_problem(t.model)
     need(not problem, problem)
-    from p2ptrain.observe.loggers import LogToError, parse_log_to  # light: parsing only
+    from p2ptrain.observe.log_targets import LogToError, parse_log_to  # light: parsing only
 
     for spec in config.observe.log_to:
         try:

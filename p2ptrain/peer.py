@@ -1,41 +1,42 @@
-"""The daemons: a training worker (startup -> inner steps and syncs -> shutdown) and a DHT-only bootstrap peer.
+"""The daemons: a training worker (startup -> inner steps and syncs -> shutdown) and a DHT-only bootstrap peer (its
+code is ``bootstrap_peer``; ``run_bootstrap`` is here too).
 
 This is the one module that knows every other: it wires config, DHT, data, model and this peer's ranks together
-(the loop is ``train_loop``, the data shards ``data_shards``, the ranks and their optimizer ``ranks``). Both
-daemons stop on ``request_stop()`` (the CLI calls it on the first SIGINT/SIGTERM) and always shut down their
-hivemind processes on the way out, so no p2pd or averager outlives them.
+(the loop is ``train_loop``, the data shards ``data_shards``, the ranks and their optimizer ``ranks``, the
+checkpoints ``worker_checkpoints``). Both daemons stop on ``request_stop()`` (the CLI calls it on the first
+SIGINT/SIGTERM) and always shut down their hivemind processes on the way out, so no p2pd or averager outlives them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
 import time
 from functools import partial
-from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
+from p2ptrain.bootstrap_peer import SWARM_LOOK_S, run_bootstrap  # noqa: F401 (it lived here; importers use this path)
 from p2ptrain.checkpoint import resume_state
-from p2ptrain.config import ConfigError, ObserveConfig, RunConfig, default_threads
+from p2ptrain.config import ConfigError, RunConfig, default_threads
 from p2ptrain.data import ShardedBatches, eval_batches, phase_shortfall, token_unit
 from p2ptrain.data_shards import DataShardTracker
-from p2ptrain.health import Heartbeat, write_atomically
+from p2ptrain.health import Heartbeat
 from p2ptrain.lifeline import follow_parent
 from p2ptrain.memory import GiB, check_memory
 from p2ptrain.model_source import ModelSpec, build_from_spec, resolve_model
 from p2ptrain.observe import listen_problem
 from p2ptrain.observe.telemetry import Telemetry, TelemetryPublisher
 from p2ptrain.ranks import LocalRanks, PeerRanks, start_ranks
-from p2ptrain.swarm.dht import DHTLost, DHTWatch, SwarmConfig, start_dht, stop_dht, visible_maddrs
+from p2ptrain.swarm.dht import DHTWatch, start_dht, stop_dht, visible_maddrs
 from p2ptrain.swarm.progress import ProgressPublisher, wait_for_peers
 from p2ptrain.swarm.reachability import connection_counts
 from p2ptrain.swarm.shards import claim_shard
 from p2ptrain.train_loop import TrainLoop, compile_model, evaluate_held_out
 from p2ptrain.training_data import load_training_data
+from p2ptrain.worker_checkpoints import WorkerCheckpoints
 from p2ptrain.worker_report import WorkerReport
 
 __all__ = ["Worker", "WorkerReport", "pick_device", "run_bootstrap"]
@@ -73,7 +74,7 @@ class Worker:
         self._phase = "starting"
         self._stop = threading.Event()
         self._dht = None  # set once joined: the round reports list its connections
-        self._checkpoint_parts: Optional[tuple] = None  # (model, batches) once training can begin
+        self._checkpoints: Optional[WorkerCheckpoints] = None  # once the ranks started
         self.telemetry: Optional[Telemetry] = None  # the leader's metrics, loggers and dashboard record
         self.metrics_port: Optional[int] = None
         """the port the Prometheus metrics are served on (``--metrics-port 0`` picks one), once started"""
@@ -132,6 +133,7 @@ class Worker:
             if metrics is not None:
                 metrics.close()
             raise
+        checkpoints = self._checkpoints = WorkerCheckpoints(cfg, ranks, self.report)
 
         if train_cfg.memory_check:
             estimate = check_memory(spec, train_cfg.micro_batch_size or train_cfg.batch_size, ranks.world,
@@ -189,7 +191,7 @@ class Worker:
             if self._stop.is_set():  # a signal arrived while the optimizer was being built
                 opt.interrupt()
             if resumed is not None:
-                self._restore(resumed, model, batches)
+                checkpoints.restore(resumed, model, batches)
             if train_cfg.wait_for_peers:
                 if ranks.leader:
                     wait_for_peers(dht, cfg.run_id, train_cfg.wait_for_peers, self._stop)
@@ -208,7 +210,7 @@ class Worker:
                 f"{device} x {ranks.world} rank(s), shard {shard_index}/{train_cfg.num_shards}, "
                 f"eval loss {self.report.initial_eval_loss:.4f}"
             )
-            self._checkpoint_parts = (model, batches, spec, data.tokenizer)
+            checkpoints.parts = (model, batches, spec, data.tokenizer)
             self._phase = "training"
             loop = TrainLoop(train_cfg, ranks, self.report, stop=self._stop, show_progress=self.show_progress,
                              started=started, after_round=lambda: self._after_round(model, shards, evaluate),
@@ -219,7 +221,7 @@ class Worker:
             self._phase = "leaving"
             shards.flush()  # the last commit's data cursors, before the DHT goes
             # only on a normal exit (done or signalled): after an exception the state may be half-updated
-            self._save_checkpoint("exit")
+            checkpoints.save("exit")
         finally:
             self._phase = "leaving"
             if ranks.optimizer is not None:
@@ -290,7 +292,7 @@ class Worker:
         opt = self.ranks.optimizer
         shards.after_commit()  # it may move to another data shard
         if opt.outer_step % self.config.train.checkpoint_every == 0:
-            self._save_checkpoint(f"outer step {opt.outer_step}")
+            self._checkpoints.save(f"outer step {opt.outer_step}")
         eval_started = time.perf_counter()
         eval_loss = evaluate()  # on every rank: a sharded forward
         eval_s = time.perf_counter() - eval_started
@@ -360,129 +362,3 @@ class Worker:
         for a peer of several ranks."""
         if self.report_path and (self.ranks is None or self.ranks.leader):
             self.report.write(self.report_path)
-
-    # ------------------------------------------------------------------------------------------- checkpoints
-
-    def _restore(self, state: dict, model: torch.nn.Module, batches: ShardedBatches) -> None:
-        opt = self.ranks.optimizer
-        self.ranks.restore(model, state, self.config.train.checkpoint_dir, self.config.run_id)
-        batches.load_state_dict(state["data"])
-        batches.left_shards = dict(state.get("left_shards", {}))
-        self.report.outer_steps = opt.outer_step
-        self.report.local_steps = opt.local_step
-        logger.info(
-            f"[{self.report.peer_id}] resumed from the checkpoint at outer step {opt.outer_step}, "
-            f"local step {opt.local_step}"
-        )
-
-    def _save_checkpoint(self, why: str) -> None:
-        directory = self.config.train.checkpoint_dir
-        if not directory or self._checkpoint_parts is None:
-            return
-        model, batches, spec, tokenizer = self._checkpoint_parts
-        meta = {
-            "run_id": self.config.run_id,
-            "model": spec.identity,
-            # what export and generate need to rebuild the model without the run's config
-            "model_source": spec.source,
-            "hf_config": spec.hf_config,
-            "seq_len": spec.seq_len,
-            "tokenizer": tokenizer,
-            "num_shards": self.config.train.num_shards,
-            "shard_index": batches.shard_index,
-            "data": batches.state_dict(),
-            # data shards left since the last committed round: their cursors are published after the next one
-            "left_shards": dict(batches.left_shards),
-        }
-        try:
-            path = self.ranks.save_checkpoint(model, directory, self.config.run_id, meta)
-            logger.info(f"[{self.report.peer_id}] checkpoint written to {path} ({why})")
-        except OSError as e:  # a full disk must not kill training: the previous checkpoint stays valid
-            place = self.ranks.checkpoint_location(directory, self.config.run_id)
-            logger.error(f"[{self.report.peer_id}] could not write the checkpoint {place}: {e}")
-
-
-def run_bootstrap(
-    swarm: SwarmConfig, *, maddrs_file: Optional[str], stop: threading.Event, status_interval_s: float = 60.0,
-    health_file: Optional[str] = None, run_id: str = "p2ptrain", observe: Optional[ObserveConfig] = None,
-    dashboard: Optional[Tuple[str, int]] = None, on_serving: Optional[Callable[[Dict[str, Any]], None]] = None,
-) -> None:
-    """A DHT-only peer: starts, prints its addresses, serves until ``stop`` is set, shuts down. Always a full
-    member: workers dial it to join, and it answers their reachability probes. With ``observe.metrics_port`` it
-    exports the swarm of ``run_id`` to Prometheus (read every ``SWARM_LOOK_S``); with ``dashboard`` ((host, port))
-    it serves the dashboard of that run. ``on_serving``: called with the servers' ports once all are up (tests)."""
-    observe = observe or ObserveConfig()
-    metrics = server = view = None
-    if observe.metrics_port is not None:  # before the DHT: a taken port is the user's to fix first
-        from p2ptrain.observe.metrics import SwarmMetrics
-
-        metrics = SwarmMetrics()
-        try:
-            metrics.start(observe.metrics_host, observe.metrics_port)
-        except OSError as e:
-            raise listen_problem("--metrics-port", observe.metrics_host, observe.metrics_port, e) from None
-    try:
-        dht = start_dht(dataclasses.replace(swarm, reachability="public"),
-                        role="a bootstrap peer always is (the others dial it to join)")
-    except BaseException:
-        if metrics is not None:
-            metrics.close()
-        raise
-    peer_id = dht.peer_id.to_base58()
-    heartbeat = None
-    watch = DHTWatch(dht, lambda line: stop.set()).start()
-    try:
-        if dashboard is not None:
-            from p2ptrain.observe.dashboard.server import DashboardServer
-            from p2ptrain.observe.swarm_view import SwarmView
-
-            view = SwarmView(dht, run_id, private=swarm.swarm_key_file is not None).start()
-            host, port = dashboard
-            try:
-                server = DashboardServer(view.snapshot, host=host, port=port, status=view.status).start()
-            except OSError as e:
-                raise listen_problem("--dashboard-port", host, port, e) from None
-        maddrs = visible_maddrs(dht)
-        print(f"bootstrap peer {peer_id} is up; workers join with --initial-peers and one of:")
-        for maddr in maddrs:
-            print(f"  {maddr}", flush=True)
-        if metrics is not None:
-            metrics.set_peer(peer_id)
-            print(f"Prometheus metrics of run {run_id!r} at {metrics.url(observe.metrics_host)}", flush=True)
-        if server is not None:
-            print(f"dashboard of run {run_id!r} at {server.url}", flush=True)
-        if maddrs_file:  # atomically: a worker waiting for the file must never read half of it
-            write_atomically(Path(maddrs_file), "".join(f"{m}\n" for m in maddrs))
-        if health_file:
-            heartbeat = Heartbeat(health_file, lambda: dict(role="bootstrap", phase="serving", peer_id=peer_id,
-                                                            dht_alive=dht.is_alive())).start()
-        if on_serving is not None:
-            on_serving(dict(metrics_port=metrics.port if metrics else None,
-                            dashboard_port=server.port if server else None))
-        last_status = time.monotonic()
-        while True:
-            if metrics is not None:
-                from p2ptrain.swarm.progress import fetch_progress
-
-                metrics.update(run_id, fetch_progress(dht, run_id, timeout_s=SWARM_LOOK_S))
-            if stop.wait(timeout=SWARM_LOOK_S if metrics is not None else status_interval_s):
-                break
-            if time.monotonic() - last_status >= status_interval_s:
-                logger.info(f"bootstrap peer {peer_id} serving")
-                last_status = time.monotonic()
-    finally:
-        for closing in (server, view, metrics):
-            if closing is not None:
-                closing.close()
-        if heartbeat is not None:
-            heartbeat.stop("leaving")
-        watch.stop()
-        stop_dht(dht)
-        if heartbeat is not None:
-            heartbeat.beat(phase="left", dht_alive=False)
-    if watch.lost:
-        raise DHTLost(watch.lost)
-
-
-SWARM_LOOK_S = 10.0
-"""how often a bootstrap peer with --metrics-port reads the run's progress records"""
