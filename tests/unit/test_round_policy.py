@@ -370,3 +370,20 @@ def test_without_mixing_the_cap_does_not_split_the_swarm_into_keys():
     host = Host([look(ready=["B", "C", "D"])], ["ok"], target_group_size=2)
     host.run(8.0, host.position)
     assert host.keys == [""] and host.averager.plans == [(2, 0.0, ["B", "C", "D"])]
+
+
+@pytest.mark.parametrize("others, said", [([True, True], 1), ([], 1), ([True, False], 0)])
+def test_a_client_mode_peer_with_no_public_peer_says_why_no_group_can_form(others, said, caplog):
+    """Behind NAT with no live peer that others can dial, nobody can lead a group: the peer says so (at most once a
+    minute) instead of waiting in silence; one public peer is enough to lead."""
+    records = [PeerProgress(run_id="r", peer_id=f"P{i}", outer_step=5, local_step=0, client_mode=client)
+               for i, client in enumerate(others)]
+    progress = SimpleNamespace(others=lambda timeout_s, leaving=False: records, others_seen_at=-1e9, period_s=5.0)
+    averager = FakeAverager()
+    averager.client_mode = True
+    rounds = Rounds(averager, dht=None, run_id="r", progress=progress, settings=Host([look()], []).settings,
+                    interrupted=threading.Event(), tag=lambda: "[test]")
+    with caplog.at_level("ERROR", logger="p2ptrain.diloco"):
+        rounds.explain_no_group()
+        rounds.explain_no_group()
+    assert sum("no group can form" in r.getMessage() for r in caplog.records) == said
