@@ -64,7 +64,7 @@ def bootstrap(ctx: click.Context, maddrs_file: Optional[str], config_path: Optio
     """Run a DHT-only bootstrap peer (no model) until SIGINT/SIGTERM. With --metrics-port it exports the swarm of
     --run-id (peers by mode, outer step) to Prometheus; with --dashboard-port it serves the swarm's dashboard."""
     config = load_run_config(ctx, config_path, params)  # first: a bad flag is reported before the heavy imports
-    check_observe_input(config.observe, dashboard_port=dashboard_port)
+    check_observe_input(config.observe, dashboard_port=dashboard_port, dashboard_host=dashboard_host)
     from p2ptrain.config import expand_hostname
     from p2ptrain.observe import PortUnavailable
     from p2ptrain.peer import run_bootstrap

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -18,8 +20,10 @@ DASHBOARD_LOG_S = 60.0
 """seconds between the dashboard's 'serving' lines (its progress in a log file)"""
 
 
-def check_observe_input(observe: Any, dashboard_port: Optional[int] = None) -> None:
-    """One-line errors, before anything starts, for a metrics endpoint or a logger whose package is missing."""
+def check_observe_input(observe: Any, dashboard_port: Optional[int] = None,
+                        dashboard_host: str = "127.0.0.1") -> None:
+    """One-line errors, before anything starts, for a metrics endpoint or a logger whose package is missing, and for
+    a --metrics-port or --dashboard-port that something else listens on."""
     from p2ptrain.observe import MissingExtra, require
     from p2ptrain.observe.loggers import LogToError, parse_log_to
 
@@ -34,6 +38,40 @@ def check_observe_input(observe: Any, dashboard_port: Optional[int] = None) -> N
                 require("wandb", extra="wandb", feature="--log-to wandb")
     except (MissingExtra, LogToError) as e:
         raise BadInput(str(e)) from None
+    if "LOCAL_RANK" in os.environ:
+        return  # a rank of a multi-GPU peer: its launcher checked the ports, and rank 0 may be serving one by now
+    if observe.metrics_port is not None:
+        check_port_free("--metrics-port", observe.metrics_host, observe.metrics_port)
+    if dashboard_port is not None:
+        check_port_free("--dashboard-port", dashboard_host, dashboard_port, dashboard=True)
+
+
+def check_port_free(flag: str, host: str, port: int, *, dashboard: bool = False) -> None:
+    """A port something else listens on, refused before the heavy imports and the DHT (5-7 s on 2 cores) rather than
+    when the server starts: bind it as the server will and let it go. The family and address are the server's:
+    the dashboard's (IPv6 for a host with a colon, else IPv4) or prometheus_client's (the first getaddrinfo answer),
+    both with SO_REUSEADDR. The server's own bind still answers the same way if the port is taken in between. Port
+    0 takes any free one; an address that does not resolve is left to the server's own error."""
+    from p2ptrain.observe import listen_problem
+
+    if not port:
+        return
+    if dashboard:
+        family, address = (socket.AF_INET6 if ":" in host else socket.AF_INET), (host, port)
+    else:
+        try:
+            family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        except (socket.gaierror, UnicodeError):
+            return
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except (socket.gaierror, UnicodeError):  # a name bind cannot resolve: the server says so itself
+            return
+        except OSError as e:
+            raise BadInput(str(listen_problem(flag, host, port, e))) from None
 
 
 def dashboard_options(prefix: str = "") -> Callable:
@@ -70,6 +108,7 @@ def dashboard(ctx: click.Context, dashboard_port: int, dashboard_host: str, refr
     if not config.swarm.initial_peers and not config.swarm.initial_peers_file:
         raise BadInput("dashboard needs --initial-peers (or --initial-peers-file): the multiaddr of any live peer of "
                        "the run")
+    check_port_free("--port", dashboard_host, dashboard_port, dashboard=True)  # before the imports (3 s)
     from p2ptrain.cli.logs import setup_hivemind_logging
     from p2ptrain.cli.processes import install_stop_handlers
     from p2ptrain.observe import listen_problem

@@ -6,6 +6,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -43,13 +45,31 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
     assert p2ptrain("keygen", str(key)).returncode == 0
     boot = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(tmp_path / "maddrs"),
                  "--identity", str(tmp_path / "boot.key"), "--swarm-key", str(key), log=tmp_path / "boot.log")
-    workers = []
+    workers, outsiders = [], []
     try:
         maddr = wait_for_file(tmp_path / "maddrs", boot)
         assert maddr.endswith("/p2p/" + maddr.rsplit("/", 1)[-1])
+        # outsiders: same run and settings, but no key, or another key. The swarm refuses them and they learn it at
+        # start from the initial peer (swarm/admission.py): one line, exit 2, within the bootstrap timeout. They
+        # need only the bootstrap peer, so they run beside the workers' start (checked below)
+        other_key = tmp_path / "other.key"
+        assert p2ptrain("keygen", str(other_key)).returncode == 0
+        refusals = [([], "it is private and this peer has no swarm key"),
+                    (["--swarm-key", str(other_key)], f"--swarm-key {other_key}: it runs with another key")]
+
+        def outsider(n: int) -> None:
+            outsiders.append(Started(
+                tmp_path / f"outsider{n}", "join", "--initial-peers", maddr, "--host-maddrs", LOOPBACK, "--run-id",
+                "clitest", "--local-steps", "10", "--num-shards", "2", "--threads", "1", "--no-progress",
+                "--bootstrap-timeout", "30", *refusals[n][0]))
+
+        outsider(0)
         entry = maddr
         for i in range(2):
             if i == 1:
+                # the bootstrap logs the first refusal within 30 s, and counts the next: the keyless one first
+                wait_for_log(tmp_path / "boot.log", "at join: it has no swarm key", boot)
+                outsider(1)
                 # any live worker serves as an entry point: the second joins through the first's logged address
                 wait_for_log(tmp_path / "w0.log", "other peers can join through", workers[0])
                 entry = first_logged_maddr(tmp_path / "w0.log")
@@ -61,25 +81,24 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
                 "--no-group-policy", "wait", "--threads", "1", "--log-interval", "2",
                 "--report", str(tmp_path / f"w{i}.json"), "--swarm-key", str(key), log=tmp_path / f"w{i}.log",
             ))
-        # outsiders: same run and settings, but no key, or another key. The swarm refuses them and they learn it at
-        # start from the initial peer (swarm/admission.py): one line, exit 2, within the bootstrap timeout
-        other_key = tmp_path / "other.key"
-        assert p2ptrain("keygen", str(other_key)).returncode == 0
-        for key_args, words in [([], "it is private and this peer has no swarm key"),
-                                (["--swarm-key", str(other_key)],
-                                 f"--swarm-key {other_key}: it runs with another key")]:
-            started = time.monotonic()
-            refused = p2ptrain("join", "--initial-peers", maddr, "--host-maddrs", LOOPBACK, "--run-id", "clitest",
-                               "--local-steps", "10", "--num-shards", "2", "--threads", "1", "--no-progress",
-                               "--bootstrap-timeout", "30", *key_args, timeout=90)
+        for outsider, (_, words) in zip(outsiders, refusals):
+            refused = outsider.result(timeout_s=90)
             assert_one_line_error(refused, "the swarm refused this peer", words, "--swarm-key")
-            assert time.monotonic() - started < 30 + 15, "not refused within the bootstrap timeout"
+            assert outsider.seconds < 30 + 15, "not refused within the bootstrap timeout"
 
         # status lists both peers once each has synced at least twice (so a group of 2 really formed)
         deadline = time.monotonic() + 180
-        listing = {}
+        listing, mismatched = {}, None
         while time.monotonic() < deadline:
             listing = status(maddr, "clitest", "--swarm-key", str(key))
+            if mismatched is None and len(listing["peers"]) == 2:
+                # a newcomer with the key but another model and seed is refused, the differences named in words:
+                # once both workers' records are out it compares with them, beside their first syncs (below)
+                mismatched = Started(
+                    tmp_path / "mismatched", "join", "--initial-peers", maddr, "--host-maddrs", LOOPBACK, "--run-id",
+                    "clitest", "--local-steps", "10", "--num-shards", "2", "--threads", "1", "--no-progress",
+                    "--model", "small", "--seed", "1", "--swarm-key", str(key))
+                outsiders.append(mismatched)
             if len(listing["peers"]) == 2 and all(p["outer_step"] >= 2 for p in listing["peers"]):
                 break
             assert all(w.poll() is None for w in workers[:2]), "a worker died; see its log"
@@ -102,10 +121,7 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
         synced_before_signal = min(p["outer_step"] for p in listing["peers"])
         boot_log = (tmp_path / "boot.log").read_text()
         assert "at join: it has no swarm key" in boot_log  # (the second refusal within 30 s is only counted)
-        # a newcomer with the key but another model and seed is refused, the differences named in words
-        mismatched = p2ptrain("join", "--initial-peers", maddr, "--host-maddrs", LOOPBACK, "--run-id", "clitest",
-                              "--local-steps", "10", "--num-shards", "2", "--threads", "1", "--no-progress",
-                              "--model", "small", "--seed", "1", "--swarm-key", str(key), timeout=120)
+        mismatched = mismatched.result(timeout_s=120)
         assert_one_line_error(mismatched, "this peer does not match run 'clitest'",
                               "model 'small' (8 layers, 512 wide, 8 heads, block size 256, 25.5M parameters) here, "
                               "'tiny' (2 layers, 128 wide, 4 heads, block size 64, 0.438M parameters) on 2 of 2 live "
@@ -140,13 +156,33 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
             progress_lines = re.findall(r"outer_step=\d+ local_step=\d+ loss=", log)
             assert len(progress_lines) >= 2, f"no periodic progress lines in w{i}.log:\n{log}"
     finally:
-        for w in workers:
+        for w in [*workers, *(outsider.proc for outsider in outsiders)]:
             if w.poll() is None:
                 w.kill()
         boot_children = descendants(boot)
         boot.send_signal(signal.SIGTERM)
         assert boot.wait(timeout=30) == 0
         assert_all_gone(boot_children)
+
+
+class Started:
+    """``p2ptrain ARGS`` run in the background (its stdout and stderr in files next to ``stem``) while the test goes
+    on; ``result`` waits for it as ``p2ptrain`` does, and ``seconds`` is how long it ran."""
+
+    def __init__(self, stem, *args: str):
+        self.out, self.err = stem.with_suffix(".out"), stem.with_suffix(".err")
+        self.started = time.monotonic()
+        with open(self.out, "wb") as out, open(self.err, "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "p2ptrain", *args], stdout=out, stderr=err,
+                                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.seconds = None
+
+    def result(self, timeout_s: float) -> subprocess.CompletedProcess:
+        self.proc.wait(timeout=timeout_s)
+        if self.seconds is None:
+            self.seconds = time.monotonic() - self.started
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, self.out.read_text(),
+                                           self.err.read_text())
 
 
 def assert_one_line_error(result, *fragments: str) -> None:
