@@ -233,7 +233,7 @@ class PseudoGradientAverager(DecentralizedAverager):
     def ban(self, peer: PeerID, reason: str) -> None:
         """Keep ``peer`` out of our groups for ``BAN_S`` (averager process): we neither accept its join request,
         nor ask it to lead us, nor stay in a group that holds it (nor take its state or its sparse pieces)."""
-        if self.bans.add(peer, reason):  # already excluded: extended, with its first reason, and said once
+        if self.bans.add(peer, reason):  # said once: an exclusion extended keeps its first reason, unsaid
             logger.warning(f"excluding peer {peer} from this run for {BAN_S:.0f}s: {reason}")
 
     def is_banned(self, peer: PeerID) -> bool:
