@@ -15,7 +15,7 @@ Three pieces (protocol 9), after BTARD (Gorbunov et al. 2021):
    its range x group size, that is one copy of the whole vector) for ``AUDIT_KEEP_S``.
 3. **Evidence.** The proof goes into the auditor's evidence record (evidence.py), so the reducer is excluded
    swarm-wide: inside the record when it is small enough for the DHT (``MAX_PROOF_BYTES``), else the record says
-   the auditor serves its inputs (``EvidenceMixin.rpc_audit_proof``), and each reader fetches them once.
+   the auditor serves its inputs (``Evidence.proof_for``), and each reader fetches them once.
 
 A reducer that cheats on a share q of its parts, in a group of n equal ranges where each of the n - 1 others audits
 one part, is caught in a round with probability 1 - (1 - q / (n - 1)) ** (n - 1) (all its parts: 1 for n = 2, 0.75
@@ -34,17 +34,17 @@ import struct
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from blake3 import blake3
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
 
 from p2ptrain.averaging.compression import WireCodec
+from p2ptrain.averaging.context import AveragerContext
 from p2ptrain.averaging.robust import AGGREGATIONS, robust_aggregate
-from p2ptrain.hivemind_compat import p2p_of
 from p2ptrain.finite import all_finite
 from p2ptrain.proto import p2ptrain_pb2
 
@@ -71,7 +71,7 @@ AUDIT_TIMEOUT_S = 30.0
 """how long an auditor waits for one input"""
 MAX_PROOF_BYTES = 256 * 1024
 """an audit's proof (the inputs and the average) larger than this is not stored in the DHT: the auditor serves its
-inputs to the peers that read its record (``EvidenceMixin.rpc_audit_proof``)"""
+inputs to the peers that read its record (``Evidence.proof_for``)"""
 
 
 def commitment(message: runtime_pb2.Tensor) -> bytes:
@@ -175,29 +175,31 @@ class _Kept:
     until: float
 
 
-class AuditMixin:
-    """The averager's side (averager process): keep our inputs as a reducer, serve them to the group's auditors, and
-    audit other reducers after our rounds."""
+class Audits:
+    """The averager's audits (averager process): keep our inputs as a reducer, serve them to the group's auditors, and
+    audit other reducers after our rounds. A catch is banned through the context and its proof goes to ``report``
+    (``Evidence.report_bad_average``)."""
 
-    max_proof_bytes = MAX_PROOF_BYTES
+    max_proof_bytes = MAX_PROOF_BYTES  # a class attribute: a test sets it before the averager process forks
 
-    def _init_audit(self, audit_parts: int) -> None:
+    def __init__(self, context: AveragerContext, audit_parts: int, report: Callable[..., None]) -> None:
         if audit_parts < 0:
             raise ValueError(f"audit_parts must be 0 or more, got {audit_parts}")
-        self.audit_parts = audit_parts
+        self._context = context
+        self.parts = audit_parts
+        self._report = report
         self._kept: "OrderedDict[bytes, _Kept]" = OrderedDict()
-        self._audit_tasks: set = set()
+        self._tasks: set = set()
         # parts audited, bytes fetched for them and reducers caught so far (the host reads: metrics, benchmarks)
-        self._audit_counts = mp.Array(ctypes.c_int64, 3)
+        self._counts = mp.Array(ctypes.c_int64, 3)
 
     @property
-    def audits(self) -> Dict[str, int]:
+    def counts(self) -> Dict[str, int]:
         """Parts this averager audited so far, the bytes it fetched for them, and the reducers it caught."""
-        parts, fetched, caught = self._audit_counts[:]
+        parts, fetched, caught = self._counts[:]
         return {"parts": parts, "bytes": fetched, "caught": caught}
 
-    def _keep_for_audit(self, group_id: bytes, members: Sequence[PeerID],
-                        inputs: Dict[Tuple[int, int], runtime_pb2.Tensor]):
+    def keep(self, group_id: bytes, members: Sequence[PeerID], inputs: Dict[Tuple[int, int], runtime_pb2.Tensor]):
         """Keep a round's inputs (filled while it runs) for ``AUDIT_KEEP_S``, the last ``KEPT_ROUNDS`` rounds."""
         now = time.monotonic()
         for old in [g for g, kept in self._kept.items() if kept.until < now]:
@@ -206,22 +208,22 @@ class AuditMixin:
         while len(self._kept) > KEPT_ROUNDS:
             self._kept.popitem(last=False)
 
-    async def rpc_audit_input(self, request: p2ptrain_pb2.AuditRequest,
-                              context: P2PContext) -> p2ptrain_pb2.AuditInput:
+    def input_for(self, request: p2ptrain_pb2.AuditRequest, caller: PeerID) -> p2ptrain_pb2.AuditInput:
+        """``rpc_audit_input``: one kept input, to a member of its group."""
         kept = self._kept.get(request.group_id)
-        if kept is None or kept.until < time.monotonic() or context.remote_id not in kept.members:
+        if kept is None or kept.until < time.monotonic() or caller not in kept.members:
             return p2ptrain_pb2.AuditInput(available=False)
         part = kept.inputs.get((request.part_index, request.sender_index))
         return p2ptrain_pb2.AuditInput(available=part is not None,
                                        tensor_part=part.SerializeToString() if part is not None else b"")
 
-    def _start_audits(self, group_id: bytes, targets: List[Tuple[PeerID, int, averaging_pb2.AveragingData]],
-                      codec: WireCodec) -> None:
+    def start(self, group_id: bytes, targets: List[Tuple[PeerID, int, averaging_pb2.AveragingData]],
+              codec: WireCodec) -> None:
         ended = time.monotonic()
         for reducer, part_index, answer in targets:
             task = asyncio.create_task(self._audit(group_id, reducer, part_index, answer, codec, ended))
-            self._audit_tasks.add(task)
-            task.add_done_callback(self._audit_tasks.discard)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def _audit(self, group_id: bytes, reducer: PeerID, part_index: int, answer: averaging_pb2.AveragingData,
                      codec: WireCodec, ended: float) -> None:
@@ -232,7 +234,7 @@ class AuditMixin:
         except Exception:
             return  # checked when it came (check_receipt): an unsigned answer of a run without a key
         inputs, fetched = [], 0
-        stub = self.get_stub(p2p_of(self), reducer, namespace=self.prefix)
+        stub = self._context.stub(reducer)
         for sender_index, committed in enumerate(receipt.commitments):
             if not committed:
                 inputs.append(b"")
@@ -248,22 +250,22 @@ class AuditMixin:
                 logger.info(f"reducer {reducer} no longer keeps the inputs of part #{part_index}: not audited")
                 return
             if not reply.available or commitment_of(reply.tensor_part) != committed:
-                self.ban(reducer, f"it did not show the input of sender #{sender_index} to part #{part_index} it "
-                                  "signed for when audited")
+                self._context.ban(reducer, f"it did not show the input of sender #{sender_index} to part "
+                                           f"#{part_index} it signed for when audited")
                 return
             inputs.append(reply.tensor_part)
         loop = asyncio.get_event_loop()
         reason = await loop.run_in_executor(None, verdict, receipt, inputs, answer.tensor_part.SerializeToString(),
                                             codec)
-        with self._audit_counts.get_lock():
-            self._audit_counts[0] += 1
-            self._audit_counts[1] += fetched
-            self._audit_counts[2] += bool(reason)
+        with self._counts.get_lock():
+            self._counts[0] += 1
+            self._counts[1] += fetched
+            self._counts[2] += bool(reason)
         logger.debug(f"audited part #{part_index} of reducer {reducer}: {fetched} bytes, "
                      f"{'caught: ' + reason if reason else 'as signed'}")
         if reason:
-            self.ban(reducer, f"audited, part #{part_index} of a group: {reason}")
+            self._context.ban(reducer, f"audited, part #{part_index} of a group: {reason}")
             # the proof: inside the DHT record if it is small, else served by us to whoever reads the record
             small = fetched + answer.tensor_part.ByteSize() <= self.max_proof_bytes
-            self._report_bad_average(group_id, reducer, part_index, answer, f"audit: {reason}",
-                                     inputs=inputs if small else (), serve=() if small else inputs)
+            self._report(group_id, reducer, part_index, answer, f"audit: {reason}",
+                         inputs=inputs if small else (), serve=() if small else inputs)

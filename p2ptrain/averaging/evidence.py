@@ -39,14 +39,14 @@ import torch
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time, get_logger
 
 from p2ptrain.averaging.audit import commitment, verdict
 from p2ptrain.averaging.compression import WireCodec, WireFormatError, get_compression
+from p2ptrain.averaging.context import AveragerContext
 from p2ptrain.finite import all_finite
-from p2ptrain.hivemind_compat import p2p_of
 from p2ptrain.proto import p2ptrain_pb2
 from p2ptrain.security import _RSA_PADDING, peer_id_of
 from p2ptrain.swarm.pipe import RECORD_MAX_BYTES
@@ -225,55 +225,58 @@ def _codec_of(average: bytes, codec: WireCodec) -> WireCodec:
     return codec
 
 
-class EvidenceMixin:
-    """The averager's side (averager process): store what we caught, read and judge what others caught."""
+class Evidence:
+    """The averager's evidence (averager process): store what we caught, read and judge what others caught. Judged
+    with the run's ``codec`` and ``max_norm_ratio``, against ``own_rms_last`` (the averager sets it each round)."""
 
-    def _init_evidence(self, identity) -> None:
+    def __init__(self, context: AveragerContext, identity, codec: WireCodec, max_norm_ratio: Optional[float]) -> None:
+        self._context = context
+        self._codec, self._max_norm_ratio = codec, max_norm_ratio
         self.signer = AverageSigner(identity) if identity is not None else None
-        self._evidence_items: List[bytes] = []  # our most recent signed averages refused (averager process)
-        self._evidence_seen: set = set()  # digests of the items judged already
-        self._evidence_task = None
-        self._own_rms_last: Optional[float] = None  # RMS of our last contribution to a round: the judge's scale
+        self._items: List[bytes] = []  # our most recent signed averages refused (averager process)
+        self._seen: set = set()  # digests of the items judged already
+        self._task = None
+        self.own_rms_last: Optional[float] = None  # RMS of our last contribution to a round: the judge's scale
         self._proofs: Dict[bytes, List[bytes]] = {}  # digest of one of our items -> the audit inputs we serve for it
         self._whole_items: Dict[bytes, bytes] = {}  # digest of one of our items -> the item, served to its readers
         self._proof_tries: Dict[bytes, int] = {}  # digest of another's item -> times its served inputs did not come
 
-    def _report_bad_average(self, group_id: bytes, reducer: PeerID, part_index: int, message, reason: str,
-                            inputs: Sequence[bytes] = (), serve: Sequence[bytes] = ()) -> None:
+    def report_bad_average(self, group_id: bytes, reducer: PeerID, part_index: int, message, reason: str,
+                           inputs: Sequence[bytes] = (), serve: Sequence[bytes] = ()) -> None:
         """Store a signed average we refused as evidence: with an audit's ``inputs`` inside, or with ``serve``, the
         inputs we serve to whoever reads it (``rpc_audit_proof``: they are too large for the DHT)."""
         item = signed_average(reducer, group_id, part_index, message, reason, inputs, served=bool(serve))
         if item is None:
             return  # unsigned: nothing another peer could check
-        self._evidence_items = [*self._evidence_items, item][-MAX_ITEMS:]
+        self._items = [*self._items, item][-MAX_ITEMS:]
         if serve:
             self._proofs[hashlib.sha256(item).digest()] = list(serve)
-        self._whole_items = {hashlib.sha256(i).digest(): i for i in self._evidence_items}
+        self._whole_items = {hashlib.sha256(i).digest(): i for i in self._items}
         self._proofs = {digest: proof for digest, proof in self._proofs.items() if digest in self._whole_items}
-        asyncio.create_task(self._store_evidence())
+        asyncio.create_task(self._store())
 
-    async def _store_evidence(self) -> None:
+    async def _store(self) -> None:
         try:
-            value = evidence_record(self._evidence_items)
-            await self.dht.store(evidence_key(self.prefix), value, get_dht_time() + BAN_S,
-                                 subkey=self.peer_id.to_bytes(), return_future=True)
+            value = evidence_record(self._items)
+            await self._context.dht.store(evidence_key(self._context.prefix), value, get_dht_time() + BAN_S,
+                                          subkey=self._context.peer_id.to_bytes(), return_future=True)
         except Exception as e:  # the DHT is shutting down, or unreachable: our own exclusion still stands
             logger.warning(f"could not store the evidence against a reducer: {e!r}")
 
-    def _watch_evidence(self) -> None:
+    def watch(self) -> None:
         """Start reading the evidence records every ``EVIDENCE_POLL_S`` (averager process; once)."""
-        if self._evidence_task is None:
-            self._evidence_task = asyncio.create_task(self._evidence_loop())
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop())
 
-    async def _evidence_loop(self) -> None:
+    async def _loop(self) -> None:
         while True:
-            await self._read_evidence()
+            await self.read()
             await asyncio.sleep(EVIDENCE_POLL_S)
 
-    async def _read_evidence(self) -> None:
+    async def read(self) -> None:
         """Judge every signed average stored against a reducer that we have not judged yet; exclude the guilty."""
         try:
-            found = await self.dht.get(evidence_key(self.prefix), latest=True, return_future=True)
+            found = await self._context.dht.get(evidence_key(self._context.prefix), latest=True, return_future=True)
         except Exception as e:
             logger.debug(f"could not read the evidence records: {e!r}")
             return
@@ -286,15 +289,15 @@ class EvidenceMixin:
                 continue  # a malformed record convicts nobody
             for item in items:
                 digest = item.item_digest or hashlib.sha256(item.SerializeToString()).digest()
-                if accuser == self.peer_id or digest in self._evidence_seen:
+                if accuser == self._context.peer_id or digest in self._seen:
                     continue
                 try:
                     reducer = PeerID(item.reducer)
                 except Exception:
-                    self._evidence_seen.add(digest)
+                    self._seen.add(digest)
                     continue
-                if reducer == self.peer_id or self.is_banned(reducer):
-                    self._evidence_seen.add(digest)
+                if reducer == self._context.peer_id or self._context.is_banned(reducer):
+                    self._seen.add(digest)
                     continue
                 if item.item_digest:  # a summary: the accuser serves the item
                     item = await self._fetch_whole_item(accuser, digest, reducer)
@@ -305,11 +308,11 @@ class EvidenceMixin:
                     if inputs is None:
                         continue  # the accuser did not answer: asked again at the next read, a few times
                     item.inputs.extend(inputs)
-                self._evidence_seen.add(digest)
-                reason = judge(item, self.codec, self.max_norm_ratio, self._own_rms_last)
+                self._seen.add(digest)
+                reason = judge(item, self._codec, self._max_norm_ratio, self.own_rms_last)
                 if reason:
-                    self.ban(reducer, f"peer {accuser} holds its signed average of part #{item.part_index} of a "
-                                      f"group: {reason}")
+                    self._context.ban(reducer, f"peer {accuser} holds its signed average of part "
+                                               f"#{item.part_index} of a group: {reason}")
 
     async def _fetch_whole_item(self, accuser: PeerID, digest: bytes,
                                 reducer: PeerID) -> Optional[p2ptrain_pb2.SignedAverage]:
@@ -321,7 +324,7 @@ class EvidenceMixin:
             tries = self._proof_tries[digest] = self._proof_tries.get(digest, 0) + 1
             logger.debug(f"could not fetch peer {accuser}'s evidence item ({tries}): {e!r}")
             if tries >= PROOF_TRIES:
-                self._evidence_seen.add(digest)
+                self._seen.add(digest)
             return None
         item = None
         if hashlib.sha256(served).digest() == digest:
@@ -329,7 +332,7 @@ class EvidenceMixin:
                 item = p2ptrain_pb2.SignedAverage.FromString(served)
         if item is None or item.reducer != reducer.to_bytes() or item.item_digest:
             logger.debug(f"peer {accuser} served another item than its evidence record names")
-            self._evidence_seen.add(digest)
+            self._seen.add(digest)
             return None
         return item
 
@@ -352,24 +355,23 @@ class EvidenceMixin:
     async def _served_by(self, accuser: PeerID, request: p2ptrain_pb2.ProofRequest) -> bytes:
         """What ``accuser`` serves for ``request`` (``rpc_audit_proof``, with our admission token); LookupError if it
         no longer serves it, a timeout or a network error if it does not answer."""
-        request.admission = self.auth.token(self.peer_id)
-        stub = self.get_stub(p2p_of(self), accuser, namespace=self.prefix)
+        request.admission = self._context.auth.token(self._context.peer_id)
+        stub = self._context.stub(accuser)
         reply = await asyncio.wait_for(stub.rpc_audit_proof(request), PROOF_TIMEOUT_S)
         if not reply.available:
             raise LookupError("the accuser no longer serves it")
         return reply.tensor_part
 
-    async def rpc_audit_proof(self, request: p2ptrain_pb2.ProofRequest,
-                              context: P2PContext) -> p2ptrain_pb2.AuditInput:
-        """One input of an audit proof of ours (``_report_bad_average`` with ``serve``), or with ``whole_item`` one
-        of our evidence items whole, to a peer of the swarm."""
+    def proof_for(self, request: p2ptrain_pb2.ProofRequest, caller: PeerID) -> p2ptrain_pb2.AuditInput:
+        """``rpc_audit_proof``: one input of an audit proof of ours (``report_bad_average`` with ``serve``), or with
+        ``whole_item`` one of our evidence items whole, to a peer of the swarm."""
         if request.whole_item:
             item = self._whole_items.get(request.item)
-            if item is None or not self.auth.admits(context.remote_id, request.admission):
+            if item is None or not self._context.auth.admits(caller, request.admission):
                 return p2ptrain_pb2.AuditInput(available=False)
             return p2ptrain_pb2.AuditInput(available=True, tensor_part=item)
         proof = self._proofs.get(request.item)
-        if proof is None or request.sender_index >= len(proof) or not self.auth.admits(context.remote_id,
-                                                                                       request.admission):
+        if proof is None or request.sender_index >= len(proof) or \
+                not self._context.auth.admits(caller, request.admission):
             return p2ptrain_pb2.AuditInput(available=False)
         return p2ptrain_pb2.AuditInput(available=True, tensor_part=proof[request.sender_index])

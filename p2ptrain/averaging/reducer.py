@@ -31,6 +31,17 @@ class Reducer(TensorPartReducer):
     aggregation = "mean"
     weight_cap = math.inf
 
+    @classmethod
+    def adopt(cls, reducer: TensorPartReducer, aggregation: str, weight_cap: float) -> "Reducer":
+        """Make hivemind's ``reducer`` (its runner built it) this class: same state, its methods changed."""
+        reducer.__class__ = cls
+        reducer.aggregation = aggregation
+        reducer.weight_cap = weight_cap  # robust.weight_cap of the group's gathered weights
+        reducer.contributions = {}
+        reducer.current_included = []
+        reducer.included_by_part = {}
+        return reducer
+
     def reset_accumulators(self):
         self.contributions = {}  # sender index -> (part, weight) of the current part (robust aggregation)
         self.current_included = []  # senders whose part is in the current part's average, as they came

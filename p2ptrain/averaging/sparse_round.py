@@ -32,19 +32,21 @@ import asyncio
 import ctypes
 import multiprocessing as mp
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import PeerID
 from hivemind.utils import get_logger
 
 from p2ptrain.averaging.allreduce import START_TIMEOUT_S
 from p2ptrain.averaging.compression import WireFormatError
+from p2ptrain.averaging.context import AveragerContext
+from p2ptrain.averaging.robust import weight_cap
+from p2ptrain.averaging.round import IncompleteRoundError, RoundResult, claimed_weights
 from p2ptrain.averaging.sparse import CHUNK, Layout, decode_entries, unchunk
 from p2ptrain.faults import kill_this_peer
 from p2ptrain.finite import all_finite
-from p2ptrain.hivemind_compat import p2p_of
 from p2ptrain.proto import p2ptrain_pb2
 
 logger = get_logger(__name__)
@@ -99,58 +101,57 @@ class _Inbox:
         return self.done[peer]
 
 
-class SparseGatherMixin:
-    """The averager's side of sparse rounds: ``rpc_sparse_piece`` takes other members' pieces, ``_run_sparse_round``
-    sends ours and averages everyone's. Needs the averager's ``auth``, ``is_banned``, ``ban``, ``get_stub``,
-    ``prefix``, ``peer_id`` and ``max_norm_ratio``; ``sparse_layout`` (all parameters) and ``sparse_layouts`` (one
-    per fragment) are set by the averager for the sparse codec."""
+class SparseGather:
+    """The averager's side of sparse rounds: ``take_piece`` (``rpc_sparse_piece``) takes other members' pieces,
+    ``run`` sends ours and averages everyone's. ``layout`` covers all parameters (None: not the sparse codec),
+    ``layouts`` has one per fragment."""
 
-    sparse_layout: Optional[Layout] = None
-    sparse_layouts: List[Layout] = []
-
-    def _init_sparse(self, layout: Optional[Layout], fragments: Sequence[Sequence[int]]) -> None:
-        # called in the host before the averager process is forked: the host writes each round's message into the
+    def __init__(self, context: AveragerContext, layout: Optional[Layout], fragments: Sequence[Sequence[int]],
+                 max_norm_ratio: Optional[float]) -> None:
+        # created in the host before the averager process is forked: the host writes each round's message into the
         # outbox (shared memory), the averager process reads it when the round's group has formed
-        self.sparse_layout = layout
-        self.sparse_layouts = [] if layout is None else [
+        self._context = context
+        self.max_norm_ratio = max_norm_ratio
+        self.layout = layout
+        self.layouts = [] if layout is None else [
             Layout(tuple(layout.shapes[i] for i in fragment), layout.k) for fragment in fragments]
-        size = max((f.max_message_bytes for f in self.sparse_layouts), default=0)
-        self.sparse_outbox = torch.zeros(size, dtype=torch.uint8).share_memory_()
-        self._sparse_outbox_bytes = mp.Value(ctypes.c_int64, 0)  # the length of the message in it
-        self._sparse_inboxes: Dict[bytes, _Inbox] = {}
-        self._sparse_finished: Dict[bytes, float] = {}  # group id -> when its round ended here
+        size = max((f.max_message_bytes for f in self.layouts), default=0)
+        self.outbox = torch.zeros(size, dtype=torch.uint8).share_memory_()
+        self._outbox_bytes = mp.Value(ctypes.c_int64, 0)  # the length of the message in it
+        self._inboxes: Dict[bytes, _Inbox] = {}
+        self._finished: Dict[bytes, float] = {}  # group id -> when its round ended here
 
-    def write_sparse_message(self, message: bytes) -> None:
+    def write_message(self, message: bytes) -> None:
         """The host's message for the next round (of the fragment it is for: its size says which)."""
-        self.sparse_outbox[:len(message)].copy_(torch.frombuffer(bytearray(message), dtype=torch.uint8))
-        self._sparse_outbox_bytes.value = len(message)
+        self.outbox[:len(message)].copy_(torch.frombuffer(bytearray(message), dtype=torch.uint8))
+        self._outbox_bytes.value = len(message)
 
-    async def rpc_sparse_piece(self, request: p2ptrain_pb2.SparsePiece, context: P2PContext
-                               ) -> p2ptrain_pb2.SparseAck:
-        peer = context.remote_id
+    def take_piece(self, request: p2ptrain_pb2.SparsePiece, peer: PeerID) -> p2ptrain_pb2.SparseAck:
+        """``rpc_sparse_piece``: a piece of ``peer``'s message for a group, taken if it may be."""
         refused = p2ptrain_pb2.SparseAck(accepted=False)
-        if self.sparse_layout is None or self.is_banned(peer) or not self.auth.admits(peer, request.admission):
+        if self.layout is None or self._context.is_banned(peer) or \
+                not self._context.auth.admits(peer, request.admission):
             return refused
-        if request.fragment >= len(self.sparse_layouts):
-            self.ban(peer, f"it sent a sparse piece of fragment {request.fragment}, of {len(self.sparse_layouts)}")
+        if request.fragment >= len(self.layouts):
+            self._context.ban(peer, f"it sent a sparse piece of fragment {request.fragment}, of {len(self.layouts)}")
             return refused
-        layout = self.sparse_layouts[request.fragment]
+        layout = self.layouts[request.fragment]
         count = request.pieces  # every piece but the last is PIECE_BYTES long; the message's own size is decode's
         if not _pieces(layout.min_message_bytes) <= count <= _pieces(layout.max_message_bytes) or \
                 request.index >= count or not 0 < len(request.data) <= PIECE_BYTES or \
                 request.index < count - 1 and len(request.data) != PIECE_BYTES:
-            self.ban(peer, f"it sent a sparse piece that does not fit the message ({request.index} of "
-                           f"{request.pieces}, {len(request.data)} bytes, fragment {request.fragment})")
+            self._context.ban(peer, f"it sent a sparse piece that does not fit the message ({request.index} of "
+                                    f"{request.pieces}, {len(request.data)} bytes, fragment {request.fragment})")
             return refused
-        self._drop_stale_inboxes()
-        if request.group_id in self._sparse_finished:  # a late piece of a round that is over
+        self._drop_stale()
+        if request.group_id in self._finished:  # a late piece of a round that is over
             return refused
-        inbox = self._sparse_inboxes.get(request.group_id)
+        inbox = self._inboxes.get(request.group_id)
         if inbox is None:
-            forming = [g for g, box in self._sparse_inboxes.items() if box.members is None]
+            forming = [g for g, box in self._inboxes.items() if box.members is None]
             if len(forming) >= MAX_FORMING_GROUPS:
-                del self._sparse_inboxes[min(forming, key=lambda g: self._sparse_inboxes[g].created)]
-            inbox = self._sparse_inboxes[request.group_id] = _Inbox()
+                del self._inboxes[min(forming, key=lambda g: self._inboxes[g].created)]
+            inbox = self._inboxes[request.group_id] = _Inbox()
         if inbox.members is not None and peer not in inbox.members or \
                 inbox.members is None and peer not in inbox.pieces and len(inbox.pieces) >= MAX_FORMING_SENDERS:
             return refused
@@ -159,7 +160,8 @@ class SparseGatherMixin:
             self._refuse_fragment(inbox, peer, request.fragment)
             return refused
         if inbox.count_of.setdefault(peer, count) != count:
-            self.ban(peer, f"it sent pieces of one message counting {inbox.count_of[peer]} and {count} pieces")
+            self._context.ban(peer, f"it sent pieces of one message counting {inbox.count_of[peer]} and {count} "
+                                    "pieces")
             return refused
         pieces = inbox.pieces.setdefault(peer, {})
         pieces[request.index] = request.data
@@ -172,15 +174,15 @@ class SparseGatherMixin:
         pieces): its message is refused, and the round fails on it at once rather than after a timeout."""
         first = inbox.fragment_of.get(peer)
         if first != -1:  # -1: refused (and excluded) already, before this peer knew the group
-            self.ban(peer, f"it sent pieces of fragment {fragment} in a round of fragment {inbox.fragment}"
-                     if inbox.fragment is not None else
-                     f"it sent pieces of fragment {fragment} after pieces of fragment {first} for one group")
+            self._context.ban(peer, f"it sent pieces of fragment {fragment} in a round of fragment {inbox.fragment}"
+                              if inbox.fragment is not None else
+                              f"it sent pieces of fragment {fragment} after pieces of fragment {first} for one group")
         inbox.pieces.pop(peer, None)
         inbox.fragment_of[peer] = -1  # no fragment: refused again when the round starts, if it has not yet
         if inbox.members is not None and not inbox.future(peer).done():
             inbox.future(peer).set_exception(WireFormatError(f"pieces of the wrong fragment ({fragment})"))
 
-    async def _receive_sparse(self, inbox: _Inbox, senders: Sequence[PeerID], sends: Dict[PeerID, asyncio.Task],
+    async def _receive(self, inbox: _Inbox, senders: Sequence[PeerID], sends: Dict[PeerID, asyncio.Task],
                               timeout_s: float, failed: List[str]) -> Dict[PeerID, bytes]:
         """Every sender's whole message, as it comes. A sender has failed (added to ``failed``) when its message is
         not whole by ``timeout_s``, when nothing of it came in ``START_TIMEOUT_S``, or ``SEND_FAILED_GRACE_S`` after
@@ -209,18 +211,18 @@ class SparseGatherMixin:
             await _wait_any(list(pending.values()), RECEIVE_POLL_S)
         return received
 
-    def _drop_stale_inboxes(self) -> None:
+    def _drop_stale(self) -> None:
         now = time.monotonic()
-        for group_id, inbox in list(self._sparse_inboxes.items()):
+        for group_id, inbox in list(self._inboxes.items()):
             if inbox.members is None and now - inbox.created > INBOX_TTL_S:
-                del self._sparse_inboxes[group_id]
-        for group_id, ended in list(self._sparse_finished.items()):
+                del self._inboxes[group_id]
+        for group_id, ended in list(self._finished.items()):
             if now - ended > INBOX_TTL_S:
-                del self._sparse_finished[group_id]
+                del self._finished[group_id]
 
-    async def _send_sparse(self, peer: PeerID, group_id: bytes, message: bytes, fragment: int = 0) -> bool:
-        stub = self.get_stub(p2p_of(self), peer, namespace=self.prefix)
-        admission = self.auth.token(self.peer_id)
+    async def _send(self, peer: PeerID, group_id: bytes, message: bytes, fragment: int = 0) -> bool:
+        stub = self._context.stub(peer)
+        admission = self._context.auth.token(self._context.peer_id)
         count = _pieces(len(message))
         for index in range(count):
             ack = await stub.rpc_sparse_piece(p2ptrain_pb2.SparsePiece(
@@ -230,7 +232,7 @@ class SparseGatherMixin:
                 return False
         return True
 
-    async def _run_sparse_round(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
+    async def run(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
                                 weights: Sequence[float], timeout_s: float, fragment: int = 0,
                                 die_after_sends: Optional[int] = None) -> Tuple[int, int, List[str]]:
         """Send our message to every other member, take theirs, and write the average into ``tensors`` (the tensors
@@ -238,30 +240,30 @@ class SparseGatherMixin:
         the members that failed: empty when the round completed). ``die_after_sends`` (fault injection, ``faults.py``): deliver our
         message to that many members, in the group's order, then die: they hold it, the others never will."""
         members = tuple(group_info.peer_ids)
-        me = members.index(self.peer_id)
-        inbox = self._sparse_inboxes.setdefault(group_info.group_id, _Inbox())
+        me = members.index(self._context.peer_id)
+        inbox = self._inboxes.setdefault(group_info.group_id, _Inbox())
         inbox.members, inbox.fragment = members, fragment
         # pieces sent before we knew the group: from a non-member they are dropped now, of another fragment refused
         for peer in [p for p in inbox.pieces if p not in members]:
             del inbox.pieces[peer]
         for peer in [p for p, f in inbox.fragment_of.items() if f != fragment and p in members]:
             self._refuse_fragment(inbox, peer, inbox.fragment_of[peer])
-        layout = self.sparse_layouts[fragment]
+        layout = self.layouts[fragment]
         contributors = [i for i, w in enumerate(weights) if w > 0]
-        message = bytes(self.sparse_outbox[:self._sparse_outbox_bytes.value].numpy()) if weights[me] > 0 else b""
+        message = bytes(self.outbox[:self._outbox_bytes.value].numpy()) if weights[me] > 0 else b""
         others = [peer for i, peer in enumerate(members) if i != me]
         failed: List[str] = []
         if die_after_sends is not None and message:
             for peer in others[:die_after_sends]:
-                await self._send_sparse(peer, group_info.group_id, message, fragment)
+                await self._send(peer, group_info.group_id, message, fragment)
             logger.warning(f"fault injection: dying mid-all-reduce after sending its sparse message to "
                            f"{min(die_after_sends, len(others))} member(s)")
             kill_this_peer()
         try:
             sends = {peer: asyncio.create_task(asyncio.wait_for(
-                self._send_sparse(peer, group_info.group_id, message, fragment), timeout_s))
+                self._send(peer, group_info.group_id, message, fragment), timeout_s))
                 for peer in others} if message else {}
-            received = await self._receive_sparse(inbox, [members[i] for i in contributors if i != me], sends,
+            received = await self._receive(inbox, [members[i] for i in contributors if i != me], sends,
                                                   timeout_s, failed)
             received = {i: received[members[i]] for i in contributors if members[i] in received}
             sent_ok = await asyncio.gather(*sends.values(), return_exceptions=True)
@@ -277,14 +279,14 @@ class SparseGatherMixin:
                 try:
                     entries.append(decode_entries(data, layout))
                 except WireFormatError as e:
-                    self.ban(members[i], f"its sparse message does not decode ({e})")
+                    self._context.ban(members[i], f"its sparse message does not decode ({e})")
                     failed.append(members[i].to_base58())
                     continue
                 norm = _norm(entries[-1][1])  # each place once in a message: its values' norm is the tensors'
                 bound = None if own_norm is None or self.max_norm_ratio is None else self.max_norm_ratio * own_norm
                 if bound is not None and i != me and own_norm > 0 and norm > bound:
-                    self.ban(members[i], f"its sparse message's norm {norm:.3g} is above "
-                                         f"{self.max_norm_ratio:g}x ours ({own_norm:.3g})")
+                    self._context.ban(members[i], f"its sparse message's norm {norm:.3g} is above "
+                                                  f"{self.max_norm_ratio:g}x ours ({own_norm:.3g})")
                     failed.append(members[i].to_base58())
             if failed:
                 return len(message) * len(sends), sum(map(len, received.values())), failed
@@ -296,8 +298,26 @@ class SparseGatherMixin:
                 tensor.copy_(value)
             return len(message) * len(sends), sum(map(len, received.values())), []
         finally:
-            self._sparse_inboxes.pop(group_info.group_id, None)
-            self._sparse_finished[group_info.group_id] = time.monotonic()
+            self._inboxes.pop(group_info.group_id, None)
+            self._finished[group_info.group_id] = time.monotonic()
+
+
+    async def run_group(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, gathered: Dict[str, Any],
+                        timeout_s: float, fragment: int, die_after_sends: Optional[int],
+                        record_failed: Callable[[List[str]], None]) -> RoundResult:
+        """A formed group's sparse round (``run``, each member weighing its claim, capped): ``tensors`` (the
+        fragment's) get the group's average, or nothing if a member's message did not come or was refused; then
+        ``IncompleteRoundError``, like a failed reducer, after handing the failed members to ``record_failed`` (the
+        host runs the round again with the survivors)."""
+        weights = claimed_weights(group_info, gathered)  # every member reads the same: the same contributors
+        cap = weight_cap(weights)  # a weight is the member's own claim (robust.py)
+        weights = [min(weight, cap) for weight in weights]
+        sent, received, failed = await self.run(tensors, group_info, weights, timeout_s, fragment, die_after_sends)
+        if failed:
+            record_failed(failed)
+            raise IncompleteRoundError(f"the sparse messages of {len(failed)} member(s) did not come or were refused "
+                                       "(a group member failed mid-round); nothing applied")
+        return RoundResult(group_size=len(group_info.peer_ids), bytes_sent=sent, bytes_received=received)
 
 
 def _pieces(message_bytes: int) -> int:

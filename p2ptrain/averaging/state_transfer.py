@@ -4,20 +4,21 @@ hivemind's ``rpc_download_state`` streams the whole state from one donor: when m
 donor is the choke point, and a donor that dies at 90% means starting over. Here the state is one flat float32
 vector cut into fixed-size chunks:
 
-* **donor** (averager process): ``rpc_state_info`` takes a snapshot of the host's state (one copy, made by the
-  host's training thread) unless it has one of the current outer step younger than ``SNAPSHOT_REFRESH_S``, and
-  describes it: outer step, digest of the global parameters, size, metadata. ``rpc_state_chunk`` answers chunk *i*
-  of the current snapshot if it has the outer step and digest asked for. A snapshot stays while newcomers fetch it,
-  even if the donor's training moves on to the next outer step meanwhile, until ``SNAPSHOT_IDLE_S`` pass without
-  requests. When a newcomer asks for the newer state, the older snapshot is kept beside the new one for the
-  newcomers still fetching it, until ``PREVIOUS_SNAPSHOT_IDLE_S`` without requests, where the host has room for
-  that copy; up to ``OLDER_SNAPSHOTS_KEPT`` older steps are kept so, as a crowd's download may span two rounds.
-* **newcomer** (averager process): asks every declared donor for its ``StateInfo``, keeps the donors at the
-  highest outer step whose digest is the most common there (asking again for up to ``QUORUM_WAIT_S`` while only
-  one of several holds that step: the rest are likely committing it), and runs one fetcher per donor over a shared
-  queue of missing chunks. A chunk that fails goes back into the queue and its donor is dropped, so the transfer resumes
-  with the others from where it was; if every donor failed, the donors are asked again (new ones may have come)
-  until the deadline. Chunks already received are never fetched twice.
+* **donor** (averager process, ``state_donor.py``): ``rpc_state_info`` takes a snapshot of the host's state (one
+  copy, made by the host's training thread) unless it has one of the current outer step younger than
+  ``SNAPSHOT_REFRESH_S``, and describes it: outer step, digest of the global parameters, size, metadata.
+  ``rpc_state_chunk`` answers chunk *i* of the current snapshot if it has the outer step and digest asked for. A
+  snapshot stays while newcomers fetch it, even if the donor's training moves on to the next outer step meanwhile,
+  until ``SNAPSHOT_IDLE_S`` pass without requests. When a newcomer asks for the newer state, the older snapshot is
+  kept beside the new one for the newcomers still fetching it, until ``PREVIOUS_SNAPSHOT_IDLE_S`` without requests,
+  where the host has room for that copy; up to ``OLDER_SNAPSHOTS_KEPT`` older steps are kept so, as a crowd's
+  download may span two rounds.
+* **newcomer** (averager process, ``StateDownload``): asks every declared donor for its ``StateInfo``, keeps the
+  donors at the highest outer step whose digest is the most common there (asking again for up to ``QUORUM_WAIT_S``
+  while only one of several holds that step: the rest are likely committing it), and runs one fetcher per donor over
+  a shared queue of missing chunks. A chunk that fails goes back into the queue and its donor is dropped, so the
+  transfer resumes with the others from where it was; if every donor failed, the donors are asked again (new ones
+  may have come) until the deadline. Chunks already received are never fetched twice.
 
 Global parameters and outer momentum are the same bits on every donor at one outer step (the digest makes sure).
 The inner optimizer's moments are each donor's own; chunks of them may come from different donors, which gives
@@ -27,26 +28,20 @@ each parameter element the moments of one of the swarm's peers at the same outer
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import math
-import multiprocessing as mp
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Dict, List, Optional, Set
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Dict, List, Optional
 
 import numpy as np
-import psutil
 import torch
-from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.p2p import PeerID
 from hivemind.utils import MPFuture, get_logger
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-from p2ptrain.hivemind_compat import (current_state_from_host, group_key_prefix, p2p_of,
-                                                 send_to_averager_process)
-from p2ptrain.faults import fault_from_env, kill_this_peer
+from p2ptrain.averaging.context import AveragerContext
 from p2ptrain.proto import p2ptrain_pb2
 
 logger = get_logger(__name__)
@@ -82,27 +77,6 @@ again for up to this long before it starts: the others are most likely committin
 state served by one donor makes that donor the crowd's choke point (bench --crowd, 2 trainers: 2 of 4 newcomers took
 every chunk from one peer; with this, none). Where two or more hold it, it starts at once: waiting for a majority
 cost 16 newcomers next to 8 trainers about 2 s each, as the newcomers in their first phase hold the older step"""
-
-
-@dataclass(eq=False)  # compared by identity: a snapshot holds a tensor
-class _Snapshot:
-    outer_step: int
-    digest: str
-    metadata: bytes
-    flat: torch.Tensor
-    taken_at: float = field(default_factory=time.monotonic)
-    used_at: float = field(default_factory=time.monotonic)
-
-
-async def _idle_while(kept, snapshot: _Snapshot, idle_limit_s: float) -> bool:
-    """Wait while ``kept()`` holds until ``snapshot`` has had no request for ``idle_limit_s``: True if it went idle
-    (the caller drops it), False if it was dropped or replaced before."""
-    while kept():
-        idle_s = time.monotonic() - snapshot.used_at
-        if idle_s >= idle_limit_s:
-            return True
-        await asyncio.sleep(idle_limit_s - idle_s)
-    return False
 
 
 @dataclass
@@ -145,149 +119,18 @@ def unflatten_state(flat: torch.Tensor, shapes: List[List[int]]) -> List[torch.T
     return [part.view(shape) for part, shape in zip(torch.split(flat, sizes), shapes)]
 
 
-class StateTransferMixin:
-    """Donor and newcomer sides of the chunked transfer, for a ``DecentralizedAverager`` subclass.
+class StateDownload:
+    """The newcomer side (averager process): find the declared donors (``group_key_prefix``: matchmaking's key, read
+    in the averager process), none that ``read_evidence`` convicts, agree on a state with them and take it in chunks.
+    ``total_size``: the averaged values, which bounds the state a donor may announce."""
 
-    The host provides the state through hivemind's ``get_current_state`` (metadata must carry ``outer_step``,
-    ``digest`` and ``shapes``); ``download_state`` runs the newcomer side in the averager process.
-    """
+    def __init__(self, context: AveragerContext, serializer, total_size: int, group_key_prefix: Callable[[], str],
+                 read_evidence: Callable[[], Awaitable[None]]) -> None:
+        self._context, self._serializer, self._total_size = context, serializer, total_size
+        self._group_key_prefix, self._read_evidence = group_key_prefix, read_evidence
 
-    def _init_state_transfer(self) -> None:
-        # called in the host before the averager process is forked
-        self._snapshot: Optional[_Snapshot] = None
-        self._older_snapshots: List[_Snapshot] = []  # older steps that newcomers were fetching, newest last
-        self._snapshot_lock: Optional[asyncio.Lock] = None
-        self._host_outer_step = mp.Value(ctypes.c_int64, -1)
-        self._chunks_served = 0
-        # for metrics and the dashboard (host reads): state transfers answered (a newcomer asks each donor for the
-        # snapshot's description once) and the bytes of state served
-        self._states_served = mp.Value(ctypes.c_int64, 0)
-        self._state_bytes_served = mp.Value(ctypes.c_int64, 0)
-        self._fault = fault_from_env()
-        self._state_refused: Set[PeerID] = set()
-
-    @property
-    def states_served(self) -> int:
-        """State transfers this donor answered (one per newcomer that asked it), and the bytes it served."""
-        return int(self._states_served.value)
-
-    @property
-    def state_bytes_served(self) -> int:
-        return int(self._state_bytes_served.value)
-
-    def set_host_outer_step(self, outer_step: int) -> None:
-        """Tell the averager process the host's current outer step: a snapshot of an older one gets replaced."""
-        self._host_outer_step.value = outer_step
-
-    # ------------------------------------------------------------------------------------------------ donor side
-
-    def _refuses_state_to(self, request, context: P2PContext) -> bool:
-        """True (and logged) if the caller may not have our state: no swarm key, or excluded for misbehaving."""
-        peer = context.remote_id
-        admitted = self.auth.admits(peer, request.admission)
-        if admitted and not self.is_banned(peer):
-            return False
-        if peer not in self._state_refused:  # once per peer: a refused peer may ask for every chunk
-            self._state_refused.add(peer)
-            why = "it is excluded for misbehaving" if admitted else "it does not hold the swarm key"
-            logger.warning(f"refused peer {peer} our state: {why}")
-        return True
-
-    async def rpc_state_info(
-        self, request: p2ptrain_pb2.StateInfoRequest, context: P2PContext
-    ) -> p2ptrain_pb2.StateInfo:
-        if not self.allow_state_sharing or self._refuses_state_to(request, context):
-            return p2ptrain_pb2.StateInfo(available=False)
-        snapshot = await self._current_snapshot()
-        self._states_served.value += 1
-        return p2ptrain_pb2.StateInfo(
-            available=True,
-            outer_step=snapshot.outer_step,
-            digest=snapshot.digest,
-            num_values=snapshot.flat.numel(),
-            chunk_values=CHUNK_VALUES,
-            metadata=snapshot.metadata,
-        )
-
-    async def rpc_state_chunk(
-        self, request: p2ptrain_pb2.StateChunkRequest, context: P2PContext
-    ) -> p2ptrain_pb2.StateChunk:
-        wanted = (request.outer_step, request.digest)
-        snapshot = next((s for s in (self._snapshot, *self._older_snapshots)
-                         if s is not None and (s.outer_step, s.digest) == wanted), None)
-        if (
-            not self.allow_state_sharing
-            or self._refuses_state_to(request, context)
-            or snapshot is None
-            or request.index * CHUNK_VALUES >= snapshot.flat.numel()
-        ):
-            return p2ptrain_pb2.StateChunk(available=False)
-        snapshot.used_at = time.monotonic()
-        start = request.index * CHUNK_VALUES
-        values = snapshot.flat[start:start + CHUNK_VALUES].numpy().tobytes()
-        self._chunks_served += 1
-        self._state_bytes_served.value += len(values)
-        if self._fault and self._fault.kind == "state" and self._chunks_served > self._fault.count:
-            logger.warning(f"fault injection: dying after serving {self._fault.count} state chunks")
-            kill_this_peer()
-        return p2ptrain_pb2.StateChunk(available=True, values=values)
-
-    async def _current_snapshot(self) -> _Snapshot:
-        if self._snapshot_lock is None:
-            self._snapshot_lock = asyncio.Lock()
-        async with self._snapshot_lock:
-            snapshot = self._snapshot
-            stale = snapshot is None or snapshot.outer_step != self._host_outer_step.value or \
-                time.monotonic() - snapshot.taken_at > SNAPSHOT_REFRESH_S
-            if stale:
-                metadata, tensors, _ = await current_state_from_host(self)
-                info = self.serializer.loads(metadata)
-                # the host sends its state flat, in its staging buffer (DiLoCoOptimizer._shareable_state): copy it
-                # before anything else, the host reuses that buffer for the next snapshot
-                (staging,) = tensors
-                flat = await asyncio.get_event_loop().run_in_executor(None, staging.clone)
-                del staging, tensors
-                snapshot = _Snapshot(int(info["outer_step"]), str(info["digest"]), metadata, flat)
-                old = self._snapshot
-                if old is not None and (old.outer_step, old.digest) != (snapshot.outer_step, snapshot.digest) \
-                        and time.monotonic() - old.used_at < PREVIOUS_SNAPSHOT_IDLE_S \
-                        and psutil.virtual_memory().available > 2 * old.flat.numel() * 4:
-                    # newcomers are still fetching the older step: keep serving it until they are done, where
-                    # the host has room for the copy (memory.py counts one)
-                    self._older_snapshots = [*self._older_snapshots, old][-OLDER_SNAPSHOTS_KEPT:]
-                    asyncio.create_task(self._drop_older_when_idle(old))
-                self._snapshot = snapshot
-                asyncio.create_task(self._drop_when_idle(snapshot))
-            snapshot.used_at = time.monotonic()
-            return snapshot
-
-    async def _drop_when_idle(self, snapshot: _Snapshot) -> None:
-        """Drop the current ``snapshot``, while it is still the current one, after ``SNAPSHOT_IDLE_S`` unasked."""
-        if await _idle_while(lambda: self._snapshot is snapshot, snapshot, SNAPSHOT_IDLE_S):
-            self._snapshot = None
-
-    async def _drop_older_when_idle(self, snapshot: _Snapshot) -> None:
-        """Drop an older ``snapshot``, while it is still kept, after ``PREVIOUS_SNAPSHOT_IDLE_S`` unasked."""
-        kept = (lambda: any(s is snapshot for s in self._older_snapshots))
-        if await _idle_while(kept, snapshot, PREVIOUS_SNAPSHOT_IDLE_S):
-            self._older_snapshots = [s for s in self._older_snapshots if s is not snapshot]
-
-    async def rpc_download_state(
-        self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """hivemind's one-donor, whole-state stream: not served; p2ptrain peers use the chunked calls above."""
-        return
-        yield  # an async generator that yields nothing: the caller sees an empty stream and moves on
-
-    # --------------------------------------------------------------------------------------------- newcomer side
-
-    def download_state(self, timeout_s: float) -> Optional[DownloadedState]:
-        """Take the state from live donors (host side; blocks). None if no donor could give a complete state."""
-        future = MPFuture()
-        send_to_averager_process(self, "_download_state", timeout_s=timeout_s, future=future)
-        return future.result(timeout=timeout_s + 5.0)
-
-    async def _download_state(self, timeout_s: float, future: MPFuture) -> None:
+    async def run(self, timeout_s: float, future: MPFuture) -> None:
+        """Take the state from live donors within ``timeout_s``: ``future`` gets it, or None."""
         try:
             future.set_result(await asyncio.wait_for(self._download(time.monotonic() + timeout_s), timeout_s))
         except Exception as e:
@@ -297,8 +140,8 @@ class StateTransferMixin:
 
     async def _declared_donors(self) -> List[PeerID]:
         await self._read_evidence()  # a reducer another peer caught is no donor either (evidence.py)
-        key = f"{group_key_prefix(self)}.all_averagers"
-        found = await self.dht.get(key, latest=True, return_future=True)
+        key = f"{self._group_key_prefix()}.all_averagers"
+        found = await self._context.dht.get(key, latest=True, return_future=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         donors = []
         for subkey, entry in entries.items():
@@ -307,15 +150,17 @@ class StateTransferMixin:
                     peer = PeerID(subkey)
                 except Exception:
                     continue  # a malformed declaration is not a donor
-                if peer != self.peer_id and not self.is_banned(peer):  # an excluded peer's state is not taken
+                # an excluded peer's state is not taken
+                if peer != self._context.peer_id and not self._context.is_banned(peer):
                     donors.append(peer)
         random.shuffle(donors)  # simultaneous newcomers start on different donors
         return donors
 
     async def _ask_info(self, peer: PeerID) -> Optional[p2ptrain_pb2.StateInfo]:
         try:
-            stub = self.get_stub(p2p_of(self), peer, namespace=self.prefix)
-            request = p2ptrain_pb2.StateInfoRequest(admission=self.auth.token(self.peer_id))
+            stub = self._context.stub(peer)
+            admission = self._context.auth.token(self._context.peer_id)
+            request = p2ptrain_pb2.StateInfoRequest(admission=admission)
             info = await asyncio.wait_for(stub.rpc_state_info(request), timeout=INFO_TIMEOUT_S)
         except Exception as e:
             logger.debug(f"donor {peer} gave no state info: {e!r}")
@@ -324,9 +169,9 @@ class StateTransferMixin:
             return None
         # global parameters, outer momentum and the inner optimizer's moments are a few times the parameters; a
         # donor announcing more would make us allocate what it says, so it is no donor
-        if info.num_values > MAX_STATE_VALUES_PER_PARAMETER * self.total_size + 65536:
+        if info.num_values > MAX_STATE_VALUES_PER_PARAMETER * self._total_size + 65536:
             logger.warning(f"state donor {peer} announced {info.num_values} values for a model of "
-                           f"{self.total_size}; skipping it")
+                           f"{self._total_size}; skipping it")
             return None
         return info
 
@@ -364,7 +209,7 @@ class StateTransferMixin:
             if best != target:  # first round, or the swarm moved on: start over at the newer state
                 target, info = best, chosen[0][1]
                 failed.clear()
-                metadata = self.serializer.loads(info.metadata)
+                metadata = self._serializer.loads(info.metadata)
                 flat = torch.empty(info.num_values, dtype=torch.float32)
                 missing = list(range(-(-info.num_values // CHUNK_VALUES)))
                 chunks_by_donor.clear()
@@ -395,7 +240,7 @@ class StateTransferMixin:
                             chunks_by_donor: Counter, failed: List[str], deadline: float) -> None:
         """One fetcher: take missing chunk indices from the queue and fetch them from ``peer`` until the queue is
         empty or the donor fails (then the chunk goes back for the other donors' fetchers)."""
-        stub = self.get_stub(p2p_of(self), peer, namespace=self.prefix)
+        stub = self._context.stub(peer)
         while not queue.empty() and str(peer) not in failed:
             index = queue.get_nowait()
             try:
@@ -403,7 +248,7 @@ class StateTransferMixin:
                 chunk = await asyncio.wait_for(
                     stub.rpc_state_chunk(p2ptrain_pb2.StateChunkRequest(
                         outer_step=target[0], digest=target[1], index=index,
-                        admission=self.auth.token(self.peer_id))),
+                        admission=self._context.auth.token(self._context.peer_id))),
                     timeout=timeout_s,
                 )
                 start = index * CHUNK_VALUES

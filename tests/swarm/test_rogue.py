@@ -32,7 +32,7 @@ from hivemind.utils import get_dht_time
 from p2ptrain import DiLoCoOptimizer
 from p2ptrain.averaging.allreduce import ExactAllReduceRunner
 from p2ptrain.averaging.averager import PseudoGradientAverager as P2PTrainAverager
-from p2ptrain.averaging.audit import MAX_PROOF_BYTES, AuditMixin
+from p2ptrain.averaging.audit import MAX_PROOF_BYTES, Audits
 from p2ptrain.averaging.reducer import Reducer
 from p2ptrain.proto import p2ptrain_pb2
 from p2ptrain.security import PeerSignatureValidator, SwarmAuth, SwarmKeyValidator, generate_swarm_key, load_identity
@@ -617,12 +617,12 @@ def shady_swarm(swarm_key, tmp_path, lie: str, served: bool = False):
         newcomer_bans.extend(newcomer_reads_the_evidence(swarm_key, dhts))
 
     ShadyReducer.lie = lie  # read in the rogue's averager process, forked below
-    AuditMixin.max_proof_bytes = 0 if served else MAX_PROOF_BYTES  # in the honest ones, forked too
+    Audits.max_proof_bytes = 0 if served else MAX_PROOF_BYTES  # in the honest ones, forked too
     try:
         params, histories = train(dhts, before_rounds=attack, target_group_size=3, model=make_deeper_model,
                                   classes=(Auditor, Auditor), after_rounds=newcomer_reads, to_outer_step=True)
     finally:
-        ShadyReducer.lie, AuditMixin.max_proof_bytes = "x1.5", MAX_PROOF_BYTES
+        ShadyReducer.lie, Audits.max_proof_bytes = "x1.5", MAX_PROOF_BYTES
         stop.set()
         for thread in threads:
             thread.join(timeout=15)

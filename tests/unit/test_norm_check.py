@@ -1,20 +1,17 @@
-"""The all-reduce's norm check (ExactAllReduceRunner._check_values): a part far larger than ours is refused, a small
+"""The all-reduce's norm check (norm_check.NormCheck, ExactAllReduceRunner's): a part far larger than ours is refused, a small
 range where our own values happen to be tiny is not (honest peers' norms over a few values can differ by any factor;
 refusing one banned an honest peer and split a group in CI)."""
 
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
-
 import torch
 
-from p2ptrain.averaging.allreduce import ExactAllReduceRunner
+from p2ptrain.averaging.norm_check import NormCheck
 
 
 def check(values, own, own_rms: float, ratio: float = 10.0) -> str:
-    host = SimpleNamespace(_max_norm_ratio=ratio, _own_norms={}, _own_rms=own_rms)
-    return ExactAllReduceRunner._check_values(host, ("received", 0), values, own, "part #0")
+    return NormCheck(ratio, own_rms).check(("received", 0), values, own, "part #0")
 
 
 def test_a_part_ten_times_larger_than_ours_is_refused():
@@ -45,11 +42,9 @@ def test_a_stepped_state_is_judged_by_its_distance_from_ours_against_our_pseudo_
     the distance from our own values is held to 10x our pseudo-gradient over the range instead."""
     own = torch.full((1000,), 1.0)
     scale = torch.full((1000,), 0.01)  # our pseudo-gradient over the range: norm 0.316
-    host = SimpleNamespace(_max_norm_ratio=10.0, _own_norms={}, _own_rms=0.01)
 
     def centered(values):
-        host._own_norms.clear()
-        return ExactAllReduceRunner._check_values(host, ("received", 0), values, own, "part #0", scale)
+        return NormCheck(10.0, own_rms=0.01).check(("received", 0), values, own, "part #0", scale)
 
     assert centered(own + 0.05) == ""  # another group's parameters, 5 pseudo-gradients away
     assert centered(own * 2).startswith("part #0 at a distance 31.62 from our own values, more than 10x our "

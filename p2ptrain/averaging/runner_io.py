@@ -1,0 +1,84 @@
+"""What ``ExactAllReduceRunner`` wraps around hivemind's plumbing: its stubs count bytes, its codec calls count time
+(``PhaseClock``), and a reducer's first answer has a timeout of its own."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Optional
+
+import torch
+from hivemind.compression import CompressionInfo
+from hivemind.p2p import StubBase
+from hivemind.proto import averaging_pb2, runtime_pb2
+
+from p2ptrain.averaging.compression import WireCodec
+from p2ptrain.clock import PhaseClock
+
+
+async def aiter_with_timeouts(iterable, first_s: Optional[float], next_s: Optional[float]):
+    """hivemind's ``aiter_with_timeout``, with a timeout of its own for the first item."""
+    iterator = iterable.__aiter__()
+    timeout = first_s
+    while True:
+        try:
+            item = await asyncio.wait_for(iterator.__anext__(), timeout=timeout)
+        except StopAsyncIteration:
+            break
+        yield item
+        timeout = next_s
+
+
+class CountingStub:
+    """Wraps a peer stub so that the bytes of ``rpc_aggregate_part`` in both directions are counted (in the
+    runner's ``bytes_sent`` and ``bytes_received``)."""
+
+    def __init__(self, stub: StubBase, runner) -> None:
+        self._stub, self._runner = stub, runner
+
+    async def rpc_aggregate_part(self, requests: AsyncIterator[averaging_pb2.AveragingData], *args, **kwargs):
+        stream = await self._stub.rpc_aggregate_part(self._count_sent(requests), *args, **kwargs)
+        return self._count_received(stream)
+
+    async def _count_sent(self, requests):
+        async for msg in requests:
+            self._runner.bytes_sent += msg.ByteSize()
+            yield msg
+
+    async def _count_received(self, stream):
+        async for msg in stream:
+            self._runner.bytes_received += msg.ByteSize()
+            yield msg
+
+
+class TimedEncoder:
+    """The runner's codec as ``TensorPartContainer`` sees it: ``compress`` counted in the runner's ``encode``."""
+
+    def __init__(self, codec: WireCodec, runner) -> None:
+        self._codec, self._runner = codec, runner
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False):
+        with self._runner.clock("encode"):
+            return self._codec.compress(tensor, info, allow_inplace)
+
+    def __getattr__(self, name):
+        return getattr(self._codec, name)
+
+
+class TimedCodec:
+    """The runner's own calls of its codec, each counted in its clock: ``encode`` or ``decode``."""
+
+    def __init__(self, codec: WireCodec, clock: PhaseClock) -> None:
+        self._codec, self._clock = codec, clock
+
+    def encode(self, tensor: torch.Tensor) -> runtime_pb2.Tensor:
+        with self._clock("encode"):
+            return self._codec.compress(tensor, CompressionInfo.from_tensor(tensor))
+
+    def decode(self, message: runtime_pb2.Tensor) -> torch.Tensor:
+        with self._clock("decode"):
+            return self._codec.extract(message)
+
+    def roundtrip(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What a reducer receives of our own ``tensor`` (the codec's direct path: int8 builds no message)."""
+        with self._clock("encode"):
+            return self._codec.roundtrip(tensor)
