@@ -17,7 +17,7 @@ from the progress records and the round's outer step t:
 Two peers that read different sets of records (a newcomer's record not stored yet) draw different cells for the
 peers after the one they disagree about: a row round moves about B - 1 of them, a column round most. Those land in
 smaller groups for that round, and a later round mixes them in again: nothing is lost, only that round's mixing is
-less. The rounds (``Rounds._mixing_group``) keep every peer seen during a round in its draw, which makes such
+less. The rounds (``swarm_view.mixing_group``) keep every peer seen during a round in its draw, which makes such
 disagreements rare.
 """
 

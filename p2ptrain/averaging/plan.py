@@ -13,7 +13,7 @@ from p2ptrain.averaging.round import MAX_PEER_LIST_BYTES, joined_ids, split_ids
 class SharedRoundPlan:
     """The next step's target, window, expected peers, cap and fragment in shared memory (created in the host before
     the averager process forks). hivemind fixes a group's target and window when the averager is built; p2ptrain
-    sets them per round from the swarm's progress records (DiLoCoOptimizer._plan_round)."""
+    sets them per round from the swarm's progress records (diloco/round_policy.py: plan_round)."""
 
     def __init__(self, window_s: float) -> None:
         self._target = mp.Value(ctypes.c_int64, 0)  # 0: no target, wait out the window
