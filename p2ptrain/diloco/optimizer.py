@@ -44,6 +44,11 @@ def _shared(name: str) -> property:
     return property(lambda self: getattr(self._state, name), lambda self, value: setattr(self._state, name, value))
 
 
+def _of_sharing(name: str) -> property:
+    """A read-only metric of the optimizer's ``StateSharing``."""
+    return property(lambda self: getattr(self._sharing, name))
+
+
 class DiLoCoOptimizer(torch.optim.Optimizer):
     """A drop-in ``torch.optim.Optimizer`` that trains with DiLoCo across a hivemind swarm.
 
@@ -182,23 +187,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         _shared("sparse_message_bytes")
     _digest, _residuals, _accumulator = _shared("digest"), _shared("residuals"), _shared("accumulator")
 
-    @property
-    def last_download(self) -> Optional[dict]:
-        """How the last state download went: seconds, bytes, chunks per donor, donors that failed."""
-        return self._sharing.last_download
-
-    @property
-    def last_donor_pause_s(self) -> Optional[float]:
-        """How long serving the last snapshot to newcomers held up this peer's training (the state lock)."""
-        return self._sharing.last_donor_pause_s
-
-    @property
-    def states_taken(self) -> int:
-        return self._sharing.states_taken
-
-    @property
-    def state_bytes_taken(self) -> int:
-        return self._sharing.state_bytes_taken
+    # the state transfer's metrics: the last download (seconds, bytes, chunks per donor, failed donors), how long
+    # serving the last snapshot held up training, the downloads completed and their bytes
+    last_download, last_donor_pause_s = _of_sharing("last_download"), _of_sharing("last_donor_pause_s")
+    states_taken, state_bytes_taken = _of_sharing("states_taken"), _of_sharing("state_bytes_taken")
 
     # ------------------------------------------------------------------------------------------------ its life
 
