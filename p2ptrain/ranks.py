@@ -19,16 +19,11 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from p2ptrain.checkpoint import checkpoint_path, save_checkpoint, sharded_checkpoint_dir
+from p2ptrain.checkpoint import (checkpoint_path, latest_sharded_or_raise, load_checkpoint, save_checkpoint,
+                                 sharded_checkpoint_dir)
 from p2ptrain.config import ConfigError, multi_rank_problem
 from p2ptrain.diloco import DiLoCoOptimizer, DiLoCoOptions
-from p2ptrain.hsdp import (
-    ShardedDiLoCo,
-    broadcast_object,
-    init_ranks,
-    load_sharded_into_one_rank,
-    shard_model,
-)
+from p2ptrain.hsdp import ShardedDiLoCo, broadcast_object, init_ranks, load_shards, shard_model
 from p2ptrain.outer import make_outer_optimizer
 from p2ptrain.schedules import inner_lr_schedule, outer_lr_schedule
 
@@ -154,6 +149,14 @@ def _optimizer_factories(cfg: RunConfig, dht, publisher: Optional[ProgressPublis
                               outer_lr_schedule=outer_lr_schedule(diloco_cfg)),
     )
     return inner, make_diloco
+
+
+def load_sharded_into_one_rank(directory: Union[str, Path], model: torch.nn.Module, opt: DiLoCoOptimizer) -> None:
+    """Load the latest sharded checkpoint in ``directory`` (written by any number of ranks) into a 1-rank peer's
+    plain model, inner optimizer and DiLoCo state. Needs no process group."""
+    target = latest_sharded_or_raise(directory)
+    load_shards(target, model, opt.inner_optimizer)
+    opt.load_state_dict(load_checkpoint(target / "diloco.pt")["diloco"])  # its "inner" is None: loaded above
 
 
 class OneProcess(PeerRanks):
