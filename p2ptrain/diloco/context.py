@@ -7,8 +7,7 @@ Two locks order everything that touches it from more than one thread:
 - ``sync_lock``: one sync (or fragment apply, or state download for a catch-up) at a time; ``shutdown()`` from another
   thread takes it to wait for the one in progress.
 - ``state_lock``: what a newcomer downloads (global parameters, outer and inner state, counters) against the training
-  thread changing it mid-copy; held for one inner step or one outer update at a time. Taken after the averager's
-  buffers (``averager.get_tensors()``) where both are needed, never before.
+  thread changing it mid-copy; held for one inner step or one outer update at a time.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ class StateSharing:
         params, outer momentum, inner state tensors) in a shared-memory staging buffer kept between snapshots.
 
         The copy into the buffer is made by the training thread itself at its next inner step (``step()`` calls
-        ``_serve_snapshot_request``), so training pauses for one warm memory copy on its own core, never waiting
+        ``serve_snapshot_request``), so training pauses for one warm memory copy on its own core, never waiting
         for a busier thread; if no step comes within a second (the trainer is in a sync, or idle), this thread
         copies under the state lock. The averager process copies the buffer before it asks for the next one."""
         for _ in range(3):  # the layout can change between the two looks (e.g. the inner optimizer's first step)
