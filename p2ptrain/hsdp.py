@@ -141,6 +141,11 @@ def _downloaded_step(proxy_state: dict, proxy: List[torch.Tensor]) -> Optional[f
     return float(first.get("step", 0.0))
 
 
+def _of_leader(name: str, default: Any) -> property:
+    """An attribute of the leader's ``DiLoCoOptimizer``; ``default`` on the other ranks."""
+    return property(lambda self: getattr(self.diloco, name) if self.diloco else default)
+
+
 class ShardedDiLoCo:
     """The DiLoCo optimizer of one peer made of several ranks. Call it on every rank, in the same order.
 
@@ -155,15 +160,9 @@ class ShardedDiLoCo:
       optimizer is the proxy's, which never steps; ``_mirror_lrs`` copies the LRs used into it for newcomers.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        inner_optimizer: Callable[..., torch.optim.Optimizer],
-        local_steps: int,
-        diloco: Optional[Callable[..., DiLoCoOptimizer]] = None,
-        inner_lr_schedule: Optional[Schedule] = None,
-    ):
+    def __init__(self, model: torch.nn.Module, *, inner_optimizer: Callable[..., torch.optim.Optimizer],
+                 local_steps: int, diloco: Optional[Callable[..., DiLoCoOptimizer]] = None,
+                 inner_lr_schedule: Optional[Schedule] = None):
         self.rank = dist.get_rank()
         self.is_leader = self.rank == 0
         if self.is_leader != (diloco is not None):
@@ -197,17 +196,9 @@ class ShardedDiLoCo:
 
             self.diloco = diloco(self.proxy, proxy_inner).start()
 
-    @property
-    def history(self) -> list:
-        return self.diloco.history if self.diloco else []
-
-    @property
-    def samples_per_s(self) -> float:
-        return self.diloco.samples_per_s if self.diloco else 0.0
-
-    @property
-    def last_download(self) -> Optional[dict]:
-        return self.diloco.last_download if self.diloco else None
+    # the leader's sync records, throughput and last state download (the other ranks have none)
+    history, samples_per_s, last_download = _of_leader("history", []), _of_leader("samples_per_s", 0.0), \
+        _of_leader("last_download", None)
 
     def interrupt(self) -> None:
         if self.diloco is not None:
@@ -353,7 +344,7 @@ class ShardedDiLoCo:
         the inner optimizer's shards into this peer's layout, the DiLoCo state into the leader. The model keeps
         the local progress it had at save time. Call on every rank."""
         target = latest_sharded_or_raise(directory)
-        _load_shards(target, model, self.inner)
+        load_shards(target, model, self.inner)
         if self.is_leader:
             self.diloco.load_state_dict(load_checkpoint(target / "diloco.pt")["diloco"])
         self._broadcast_counters()
@@ -398,18 +389,10 @@ class ShardedDiLoCo:
             self.diloco.close()
 
 
-def _load_shards(target: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_shards(target: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """The model's and the optimizer's state from ``target/shards`` into their current layout (any number of ranks,
     or none)."""
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(target / "shards"))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
-def load_sharded_into_one_rank(directory: str | Path, model: torch.nn.Module, opt: DiLoCoOptimizer) -> None:
-    """Load the latest sharded checkpoint in ``directory`` (written by any number of ranks) into a 1-rank peer's
-    plain model, inner optimizer and DiLoCo state. Needs no process group."""
-    target = latest_sharded_or_raise(directory)
-    _load_shards(target, model, opt.inner_optimizer)
-    opt.load_state_dict(load_checkpoint(target / "diloco.pt")["diloco"])  # its "inner" is None: loaded above

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
@@ -19,16 +19,11 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from p2ptrain.checkpoint import checkpoint_path, save_checkpoint, sharded_checkpoint_dir
+from p2ptrain.checkpoint import (checkpoint_path, latest_sharded_or_raise, load_checkpoint, save_checkpoint,
+                                 sharded_checkpoint_dir)
 from p2ptrain.config import ConfigError, multi_rank_problem
-from p2ptrain.diloco import DiLoCoOptimizer
-from p2ptrain.hsdp import (
-    ShardedDiLoCo,
-    broadcast_object,
-    init_ranks,
-    load_sharded_into_one_rank,
-    shard_model,
-)
+from p2ptrain.diloco import DiLoCoOptimizer, DiLoCoOptions
+from p2ptrain.hsdp import ShardedDiLoCo, broadcast_object, init_ranks, load_shards, shard_model
 from p2ptrain.outer import make_outer_optimizer
 from p2ptrain.schedules import inner_lr_schedule, outer_lr_schedule
 
@@ -144,33 +139,24 @@ def _optimizer_factories(cfg: RunConfig, dht, publisher: Optional[ProgressPublis
         DiLoCoOptimizer,
         dht=dht,
         run_id=cfg.run_id,
-        local_steps=diloco_cfg.local_steps,
         # sparse: plain SGD on the averaged messages (SparseLoCo: the decayed accumulator takes momentum's place)
         outer_optimizer=partial(make_outer_optimizer, lr=diloco_cfg.sparse_outer_lr, momentum=0.0)
         if diloco_cfg.compression == "sparse" else
         partial(make_outer_optimizer, lr=diloco_cfg.outer_lr, momentum=diloco_cfg.outer_momentum),
-        compression=diloco_cfg.compression,
-        sparse_k=diloco_cfg.sparse_k,
-        aggregation=diloco_cfg.aggregation,
-        audit_parts=diloco_cfg.audit_parts,
-        sparse_decay=diloco_cfg.sparse_decay,
-        matchmaking_time_s=diloco_cfg.matchmaking_time_s,
-        late_peer_wait_s=diloco_cfg.late_peer_wait_s,
-        averaging_timeout_s=diloco_cfg.averaging_timeout_s,
-        min_group_size=diloco_cfg.min_group_size,
-        target_group_size=diloco_cfg.target_group_size,
-        no_group_policy=diloco_cfg.no_group_policy,
-        batch_size=cfg.train.batch_size,
-        progress=publisher,
-        inner_lr_schedule=inner_lr_schedule(diloco_cfg),
-        outer_lr_schedule=outer_lr_schedule(diloco_cfg),
-        fragments=diloco_cfg.fragments,
-        overlap_steps=diloco_cfg.overlap_steps,
-        merge_alpha=diloco_cfg.merge_alpha,
-        max_extra_steps=diloco_cfg.max_extra_steps,
-        adaptive_steps=diloco_cfg.adaptive_steps,
+        settings=diloco_cfg,
+        options=DiLoCoOptions(batch_size=cfg.train.batch_size, progress=publisher,
+                              inner_lr_schedule=inner_lr_schedule(diloco_cfg),
+                              outer_lr_schedule=outer_lr_schedule(diloco_cfg)),
     )
     return inner, make_diloco
+
+
+def load_sharded_into_one_rank(directory: Union[str, Path], model: torch.nn.Module, opt: DiLoCoOptimizer) -> None:
+    """Load the latest sharded checkpoint in ``directory`` (written by any number of ranks) into a 1-rank peer's
+    plain model, inner optimizer and DiLoCo state. Needs no process group."""
+    target = latest_sharded_or_raise(directory)
+    load_shards(target, model, opt.inner_optimizer)
+    opt.load_state_dict(load_checkpoint(target / "diloco.pt")["diloco"])  # its "inner" is None: loaded above
 
 
 class OneProcess(PeerRanks):
@@ -243,8 +229,8 @@ class HsdpMesh(PeerRanks):
         shard_model(model, self.mesh)
         # the ranks catch up together at a sync, never one of them mid-phase; the inner LR schedule drives the
         # ranks' inner optimizers, not the leader's proxy (which never steps)
-        diloco = (lambda params, proxy_inner:
-                  make_diloco(params, inner_optimizer=proxy_inner, catch_up_mid_phase=False, inner_lr_schedule=None))
+        options = replace(make_diloco.keywords["options"], catch_up_mid_phase=False, inner_lr_schedule=None)
+        diloco = (lambda params, proxy_inner: make_diloco(params, inner_optimizer=proxy_inner, options=options))
         self.optimizer = ShardedDiLoCo(model, inner_optimizer=inner, local_steps=cfg.diloco.local_steps,
                                        diloco=diloco if self.leader else None,
                                        inner_lr_schedule=inner_lr_schedule(cfg.diloco))

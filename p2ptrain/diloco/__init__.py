@@ -15,6 +15,7 @@ bits, every peer leaves it with the same bits too: no parameter-averaging round 
 """
 
 from p2ptrain.diloco.optimizer import DiLoCoOptimizer
+from p2ptrain.diloco.options import DiLoCoOptions
 from p2ptrain.diloco.records import NO_GROUP_POLICIES, RoundOutlook, SyncRecord, _digest_of
 
-__all__ = ["DiLoCoOptimizer", "NO_GROUP_POLICIES", "RoundOutlook", "SyncRecord", "_digest_of"]
+__all__ = ["DiLoCoOptimizer", "DiLoCoOptions", "NO_GROUP_POLICIES", "RoundOutlook", "SyncRecord", "_digest_of"]

@@ -729,12 +729,18 @@ class PlausiblePoisoner(DiLoCoOptimizer):
 
     poison = "flip_x5"
 
-    def _fill_pseudo_gradient(self, *args, **kwargs):
-        diverged = super()._fill_pseudo_gradient(*args, **kwargs)
-        with self.averager.get_tensors() as buffers:
-            for buffer in buffers:
-                buffer.copy_(PLAUSIBLE_POISONS[self.poison](buffer))
-        return diverged
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        honest_fill = self._contribution.fill_pseudo_gradient  # what goes into the buffers for a round
+
+        def fill_pseudo_gradient(*args, **kwargs):
+            diverged = honest_fill(*args, **kwargs)
+            with self.averager.get_tensors() as buffers:
+                for buffer in buffers:
+                    buffer.copy_(PLAUSIBLE_POISONS[self.poison](buffer))
+            return diverged
+
+        self._contribution.fill_pseudo_gradient = fill_pseudo_gradient
 
 
 @pytest.mark.slow

@@ -28,7 +28,8 @@ from p2ptrain.averaging.compression import (
 )
 from p2ptrain.averaging.state_transfer import flatten_state, unflatten_state
 from p2ptrain.data import ShardedBatches
-from p2ptrain.diloco import DiLoCoOptimizer, _digest_of
+from p2ptrain.diloco import _digest_of
+from p2ptrain.diloco.state import check_downloaded_state
 from p2ptrain.proto import p2ptrain_pb2
 from p2ptrain.observe.telemetry import (MAX_BANNED, MAX_EVALS, MAX_LOSSES, MAX_RECORD_BYTES, MAX_ROUNDS,
                                         parse_telemetry)
@@ -483,7 +484,7 @@ def test_state_metadata_of_random_bytes_decodes_or_raises(raw):
 
 
 class Host(SimpleNamespace):
-    """What ``DiLoCoOptimizer._check_downloaded_state`` reads of its optimizer: a 2-parameter model, 1 group."""
+    """What ``check_downloaded_state`` reads of its host (a ``PeerState``): a 2-parameter model, 1 group."""
 
 
 HOST = Host(global_params=[torch.zeros(3), torch.zeros(2, 2)], params=[torch.zeros(3), torch.zeros(2, 2)],
@@ -491,7 +492,7 @@ HOST = Host(global_params=[torch.zeros(3), torch.zeros(2, 2)], params=[torch.zer
 
 
 def check(metadata, tensors) -> str:
-    return DiLoCoOptimizer._check_downloaded_state(HOST, metadata, tensors)
+    return check_downloaded_state(HOST, metadata, tensors)
 
 
 @st.composite
