@@ -30,7 +30,7 @@ group anyway (the compression name is part of the averager's schema hash), so th
 Decoding is deterministic (bf16 -> fp32 is exact; int8 decodes as one fp32 multiply, code * scale), so the same
 message gives the same bits on every peer: the exact all-reduce stays exact with every codec.
 
-Error feedback (``DiLoCoOptimizer(error_feedback=...)``, on by default for int8 only): a peer keeps what the wire
+Error feedback (``DiLoCoOptions(error_feedback=...)``, the optimizer's ``options``, on by default for int8 only): a peer keeps what the wire
 dropped from its own pseudo-gradient, ``residual = sent - decompress(compress(sent))`` computed part by part exactly
 as the wire cuts and rounds it (``wire_residual_``), and adds it to its next pseudo-gradient, so that over many
 rounds what it transmits sums to what it meant to send.

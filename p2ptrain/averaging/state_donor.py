@@ -137,7 +137,7 @@ class StateDonor:
             if stale:
                 metadata, tensors, _ = await self._state_from_host()
                 info = self._serializer.loads(metadata)
-                # the host sends its state flat, in its staging buffer (DiLoCoOptimizer._shareable_state): copy it
+                # the host sends its state flat, in its staging buffer (diloco/state.py: StateSharing.shareable_state): copy it
                 # before anything else, the host reuses that buffer for the next snapshot
                 (staging,) = tensors
                 flat = await asyncio.get_event_loop().run_in_executor(None, staging.clone)

@@ -119,7 +119,7 @@ class SyncRecord:
     """the other live peers each look at the progress records of this sync saw, in order (the last 16): the swarm as
     this peer saw it; a count below the others' is a partial view of the DHT"""
     fragments: List[dict] = field(default_factory=list)
-    """streaming sync: each fragment's round in this phase (``StreamingMixin._finish``): fragment, averaged,
+    """streaming sync: each fragment's round in this phase (``StreamingSync._finish``): fragment, averaged,
     group_size, attempts, launched_at_step, applied_at_step, launched_at (wall clock), round_s, waited_s, blocked_s,
     allreduce_s, bytes_sent, bytes_received, weight, repaired. Empty for the blocking sync"""
 
