@@ -69,3 +69,28 @@ def test_the_checker_finds_a_circle():
 
 def test_no_import_circle():
     assert circles(import_graph()) == []
+
+
+MAX_MODULE_LINES = 400
+GENERATED = {"p2ptrain/proto/p2ptrain_pb2.py"}
+
+
+def test_no_module_passes_400_lines():
+    long = {str(path.relative_to(PACKAGE.parent)): len(path.read_text().splitlines())
+            for path in PACKAGE.rglob("*.py")}
+    assert {name: n for name, n in long.items() if n > MAX_MODULE_LINES and name not in GENERATED} == {}
+
+
+def test_the_core_has_no_mixins():
+    """The optimizer and the averager hold their parts (docs/overview.md, "The parts of a peer"): a class of
+    p2ptrain/diloco or p2ptrain/averaging has at most one base class, and none is named a mixin. The two codecs that
+    give hivemind's own compression (fp32, fp16) p2ptrain's checked decoding are the known exception: both bases are
+    codecs of the same message, and neither reads the other's attributes."""
+    codecs = {"compression.py:NoneCodec", "compression.py:Fp16Codec"}
+    found = []
+    for package in ("diloco", "averaging"):
+        for path in (PACKAGE / package).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef) and (len(node.bases) > 1 or node.name.endswith("Mixin")):
+                    found.append(f"{path.name}:{node.name}")
+    assert [name for name in found if name not in codecs] == []
