@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -41,19 +42,35 @@ def status(maddr: str, run_id: str, *extra: str) -> dict:
 def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
     """A private swarm (every daemon holds the swarm key) from the CLI; a worker without the key, with another key
     or with another model is refused at start."""
-    key = tmp_path / "swarm.key"
-    assert p2ptrain("keygen", str(key)).returncode == 0
+    # every process that does not need another's output runs beside the others (this test ran 43 s one after another)
+    key, other_key = tmp_path / "swarm.key", tmp_path / "other.key"
+    assert all(k.result(timeout_s=60).returncode == 0 for k in [Started(tmp_path / f"keygen{i}", "keygen", str(path))
+                                                                 for i, path in enumerate((key, other_key))])
     boot = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(tmp_path / "maddrs"),
                  "--identity", str(tmp_path / "boot.key"), "--swarm-key", str(key), log=tmp_path / "boot.log")
     workers, outsiders = [], []
     try:
+        def worker(i: int, *entry: str) -> None:
+            workers.append(spawn(
+                "join", *entry, "--host-maddrs", LOOPBACK, "--run-id", "clitest",
+                "--local-steps", "10", "--num-shards", "2", "--target-group-size", "2",
+                # no --progress/--no-progress: stderr is a log file, so the default must log lines, not draw bars
+                "--no-group-policy", "wait", "--threads", "1", "--log-interval", "2",
+                "--report", str(tmp_path / f"w{i}.json"), "--swarm-key", str(key), log=tmp_path / f"w{i}.log",
+            ))
+
+        # the workers start beside the bootstrap and wait for their entry point's address in a file (each start
+        # imports torch and builds its model first): the first reads the bootstrap's --maddrs-file; the second, as
+        # any live worker serves as an entry point, joins through the first's logged address, which the test writes
+        # to a file once the first logs it
+        entry_file = tmp_path / "w0.maddrs"
+        worker(0, "--initial-peers-file", str(tmp_path / "maddrs"))
+        worker(1, "--initial-peers-file", str(entry_file))
         maddr = wait_for_file(tmp_path / "maddrs", boot)
         assert maddr.endswith("/p2p/" + maddr.rsplit("/", 1)[-1])
         # outsiders: same run and settings, but no key, or another key. The swarm refuses them and they learn it at
         # start from the initial peer (swarm/admission.py): one line, exit 2, within the bootstrap timeout. They
         # need only the bootstrap peer, so they run beside the workers' start (checked below)
-        other_key = tmp_path / "other.key"
-        assert p2ptrain("keygen", str(other_key)).returncode == 0
         refusals = [([], "it is private and this peer has no swarm key"),
                     (["--swarm-key", str(other_key)], f"--swarm-key {other_key}: it runs with another key")]
 
@@ -64,45 +81,43 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
                 "--bootstrap-timeout", "30", *refusals[n][0]))
 
         outsider(0)
-        entry = maddr
-        for i in range(2):
-            if i == 1:
-                # the bootstrap logs the first refusal within 30 s, and counts the next: the keyless one first
-                wait_for_log(tmp_path / "boot.log", "at join: it has no swarm key", boot)
-                outsider(1)
-                # any live worker serves as an entry point: the second joins through the first's logged address
-                wait_for_log(tmp_path / "w0.log", "other peers can join through", workers[0])
-                entry = first_logged_maddr(tmp_path / "w0.log")
-                assert entry != maddr
-            workers.append(spawn(
-                "join", "--initial-peers", entry, "--host-maddrs", LOOPBACK, "--run-id", "clitest",
-                "--local-steps", "10", "--num-shards", "2", "--target-group-size", "2",
-                # no --progress/--no-progress: stderr is a log file, so the default must log lines, not draw bars
-                "--no-group-policy", "wait", "--threads", "1", "--log-interval", "2",
-                "--report", str(tmp_path / f"w{i}.json"), "--swarm-key", str(key), log=tmp_path / f"w{i}.log",
-            ))
-        for outsider, (_, words) in zip(outsiders, refusals):
-            refused = outsider.result(timeout_s=90)
-            assert_one_line_error(refused, "the swarm refused this peer", words, "--swarm-key")
-            assert outsider.seconds < 30 + 15, "not refused within the bootstrap timeout"
+        wait_for_log(tmp_path / "w0.log", "other peers can join through", workers[0])
+        entry = first_logged_maddr(tmp_path / "w0.log")
+        assert entry != maddr
+        (tmp_path / "w0.maddrs.tmp").write_text(entry + "\n")
+        os.replace(tmp_path / "w0.maddrs.tmp", entry_file)  # whole or not at all: w1 polls for it
+        # the bootstrap logs the first refusal within 30 s, and counts the next: the keyless one first
+        wait_for_log(tmp_path / "boot.log", "at join: it has no swarm key", boot)
+        outsider(1)
 
-        # status lists both peers once each has synced at least twice (so a group of 2 really formed)
+        # a newcomer with the key but another model and seed is refused, the differences named in words: once both
+        # workers' records are out (a worker logs "joined run" after its first record is stored, which a peer
+        # reading the records a moment later must see: DiLoCoOptimizer's Reporter) it compares with them, beside
+        # their first syncs
+        for i, w in enumerate(workers):
+            wait_for_log(tmp_path / f"w{i}.log", "joined run 'clitest'", w)
+        mismatched = Started(
+            tmp_path / "mismatched", "join", "--initial-peers", maddr, "--host-maddrs", LOOPBACK, "--run-id",
+            "clitest", "--local-steps", "10", "--num-shards", "2", "--threads", "1", "--no-progress",
+            "--model", "small", "--seed", "1", "--swarm-key", str(key))
+        outsiders.append(mismatched)
+
+        # status lists both peers once each has synced at least twice (so a group of 2 really formed). Each status
+        # call is a process that imports torch and starts a DHT client (2-5 s of CPU the workers share), so the
+        # first waits until both workers' logs reach outer step 2; the listing decides
+        def outer_step_logged(i: int) -> int:
+            return max(map(int, re.findall(r"outer_step=(\d+)", (tmp_path / f"w{i}.log").read_text())), default=0)
+
+        wait_until(lambda: all(outer_step_logged(i) >= 2 for i in range(2)), "both workers at outer step 2",
+                   timeout_s=180, procs=[(f"w{i}", w) for i, w in enumerate(workers)])
         deadline = time.monotonic() + 180
-        listing, mismatched = {}, None
+        listing = {}
         while time.monotonic() < deadline:
             listing = status(maddr, "clitest", "--swarm-key", str(key))
-            if mismatched is None and len(listing["peers"]) == 2:
-                # a newcomer with the key but another model and seed is refused, the differences named in words:
-                # once both workers' records are out it compares with them, beside their first syncs (below)
-                mismatched = Started(
-                    tmp_path / "mismatched", "join", "--initial-peers", maddr, "--host-maddrs", LOOPBACK, "--run-id",
-                    "clitest", "--local-steps", "10", "--num-shards", "2", "--threads", "1", "--no-progress",
-                    "--model", "small", "--seed", "1", "--swarm-key", str(key))
-                outsiders.append(mismatched)
             if len(listing["peers"]) == 2 and all(p["outer_step"] >= 2 for p in listing["peers"]):
                 break
             assert all(w.poll() is None for w in workers[:2]), "a worker died; see its log"
-            time.sleep(2)
+            time.sleep(0.5)
         assert listing["run_id"] == "clitest"
         assert len(listing["peers"]) == 2, listing
         for peer in listing["peers"]:
@@ -118,6 +133,10 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
             assert peer["mode"] == "public" and "connected back to 127.0.0.1" in peer["reachability"], peer
         assert listing["public_peers"] == 2
 
+        for outsider, (_, words) in zip(outsiders, refusals):
+            refused = outsider.result(timeout_s=90)
+            assert_one_line_error(refused, "the swarm refused this peer", words, "--swarm-key")
+            assert outsider.seconds < 30 + 15, "not refused within the bootstrap timeout"
         synced_before_signal = min(p["outer_step"] for p in listing["peers"])
         boot_log = (tmp_path / "boot.log").read_text()
         assert "at join: it has no swarm key" in boot_log  # (the second refusal within 30 s is only counted)
@@ -133,10 +152,13 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
             w.send_signal(signal.SIGINT)  # the first SIGINT: finish the step, leave cleanly
         for w in workers:
             assert w.wait(timeout=90) == 0
+        # the listing once both have left, read while their children exit (torch_shm_manager takes 2 s to)
+        after = Started(tmp_path / "status_after", "status", "--initial-peers", maddr, "--run-id", "clitest", "--json",
+                        "--swarm-key", str(key))
         assert_all_gone(children)
-
-        assert status(maddr, "clitest", "--swarm-key", str(key))["peers"] == [], \
-            "peers that left cleanly must leave the listing at once"
+        after = after.result(timeout_s=120)
+        assert after.returncode == 0, after.stderr
+        assert json.loads(after.stdout)["peers"] == [], "peers that left cleanly must leave the listing at once"
 
         reports = [report(tmp_path, i) for i in range(2)]
         assert {r["shard_index"] for r in reports} == {0, 1}, "peers must claim different data shards"
@@ -167,7 +189,8 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
 
 class Started:
     """``p2ptrain ARGS`` run in the background (its stdout and stderr in files next to ``stem``) while the test goes
-    on; ``result`` waits for it as ``p2ptrain`` does, and ``seconds`` is how long it ran."""
+    on; ``result`` waits for it as ``p2ptrain`` does, and ``seconds`` is how long it ran (until it exited, however
+    much later ``result`` is asked for: a thread waits on it)."""
 
     def __init__(self, stem, *args: str):
         self.out, self.err = stem.with_suffix(".out"), stem.with_suffix(".err")
@@ -176,11 +199,16 @@ class Started:
             self.proc = subprocess.Popen([sys.executable, "-m", "p2ptrain", *args], stdout=out, stderr=err,
                                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.seconds = None
+        self._exit_timer = threading.Thread(target=self._time_exit, daemon=True)
+        self._exit_timer.start()
+
+    def _time_exit(self) -> None:
+        self.proc.wait()
+        self.seconds = time.monotonic() - self.started
 
     def result(self, timeout_s: float) -> subprocess.CompletedProcess:
         self.proc.wait(timeout=timeout_s)
-        if self.seconds is None:
-            self.seconds = time.monotonic() - self.started
+        self._exit_timer.join()  # it returns from its wait as this one does
         return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, self.out.read_text(),
                                            self.err.read_text())
 
