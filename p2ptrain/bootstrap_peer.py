@@ -19,17 +19,20 @@ from p2ptrain.swarm.dht import DHTLost, DHTWatch, SwarmConfig, start_dht, stop_d
 logger = logging.getLogger(__name__)
 
 SWARM_LOOK_S = 10.0
-"""how often a bootstrap peer with --metrics-port reads the run's progress records"""
+"""how often a bootstrap peer with --metrics-port reads the run's progress records, unless --metrics-refresh says"""
+SWARM_READ_TIMEOUT_S = 10.0
+"""how long one such read may take: a DHT lookup under load can take seconds, whatever the period between reads"""
 
 
 def run_bootstrap(
     swarm: SwarmConfig, *, maddrs_file: Optional[str], stop: threading.Event, status_interval_s: float = 60.0,
     health_file: Optional[str] = None, run_id: str = "p2ptrain", observe: Optional[ObserveConfig] = None,
     dashboard: Optional[Tuple[str, int]] = None, on_serving: Optional[Callable[[Dict[str, Any]], None]] = None,
+    swarm_look_s: float = SWARM_LOOK_S,
 ) -> None:
     """A DHT-only peer: starts, prints its addresses, serves until ``stop`` is set, shuts down. Always a full
     member: workers dial it to join, and it answers their reachability probes. With ``observe.metrics_port`` it
-    exports the swarm of ``run_id`` to Prometheus (read every ``SWARM_LOOK_S``); with ``dashboard`` ((host, port))
+    exports the swarm of ``run_id`` to Prometheus (read every ``swarm_look_s``); with ``dashboard`` ((host, port))
     it serves the dashboard of that run. ``on_serving``: called with the servers' ports once all are up (tests)."""
     observe = observe or ObserveConfig()
     metrics = server = view = None
@@ -84,8 +87,8 @@ def run_bootstrap(
             if metrics is not None:
                 from p2ptrain.swarm.progress import fetch_progress
 
-                metrics.update(run_id, fetch_progress(dht, run_id, timeout_s=SWARM_LOOK_S))
-            if stop.wait(timeout=SWARM_LOOK_S if metrics is not None else status_interval_s):
+                metrics.update(run_id, fetch_progress(dht, run_id, timeout_s=SWARM_READ_TIMEOUT_S))
+            if stop.wait(timeout=swarm_look_s if metrics is not None else status_interval_s):
                 break
             if time.monotonic() - last_status >= status_interval_s:
                 logger.info(f"bootstrap peer {peer_id} serving")

@@ -58,9 +58,12 @@ def cli(ctx: click.Context, verbose: bool, log_format: str) -> None:
               help="TOML config file (its [swarm] and [observe] tables are used).")
 @HEALTH_FILE_OPTION
 @dashboard_options(prefix="dashboard-")
+@click.option("--metrics-refresh", "metrics_refresh_s", type=click.FloatRange(min=0.5), default=10.0,  # SWARM_LOOK_S
+              show_default=True, envvar="P2PTRAIN_METRICS_REFRESH", show_envvar=True,
+              help="Seconds between the --metrics-port export's reads of the run's progress records.")
 @click.pass_context
 def bootstrap(ctx: click.Context, maddrs_file: Optional[str], config_path: Optional[str], health_file: Optional[str],
-              dashboard_port: Optional[int], dashboard_host: str, **params) -> None:
+              dashboard_port: Optional[int], dashboard_host: str, metrics_refresh_s: float, **params) -> None:
     """Run a DHT-only bootstrap peer (no model) until SIGINT/SIGTERM. With --metrics-port it exports the swarm of
     --run-id (peers by mode, outer step) to Prometheus; with --dashboard-port it serves the swarm's dashboard."""
     config = load_run_config(ctx, config_path, params)  # first: a bad flag is reported before the heavy imports
@@ -76,7 +79,8 @@ def bootstrap(ctx: click.Context, maddrs_file: Optional[str], config_path: Optio
     try:
         run_bootstrap(config.swarm, maddrs_file=maddrs_file, stop=stop,
                       health_file=expand_hostname(health_file), run_id=config.run_id, observe=config.observe,
-                      dashboard=(dashboard_host, dashboard_port) if dashboard_port is not None else None)
+                      dashboard=(dashboard_host, dashboard_port) if dashboard_port is not None else None,
+                      swarm_look_s=metrics_refresh_s)
     except (SwarmError, PortUnavailable) as e:
         raise BadInput(str(e)) from None
     except DHTLost:  # said in one line already, as it happened; not the user's input: 1, not 2

@@ -23,7 +23,11 @@ from tests.helpers import (LOOPBACK, descendants, exit_code, assert_all_gone, re
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
 RUN = "seen"
-SYNCS = 16  # the workers must outlive two of the bootstrap's 10 s reads of the records (8 syncs took 10 s)
+SYNCS = 16
+"""the workers must outlive their second dashboard record: it is stored 10 s (the worker's telemetry period) after the
+first, at round 1, which holds 2 loss points where the test wants 3; it came at round 8-10 of 1.25-2 s rounds on 2
+cores. 8 syncs would do with a 2 s period, which only a worker setting could give"""
+BOOT_LOOK_S = "2"  # --metrics-refresh: with the default 10 s the first test's wait for a read took up to 10 s
 TINY_SEQ_LEN = MODEL_SIZES["tiny"].block_size
 
 
@@ -67,7 +71,8 @@ def swarm(tmp_path_factory):
     command; the workers leave after SYNCS syncs, the servers run until the module's tests are done."""
     tmp = tmp_path_factory.mktemp("observe")
     boot = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(tmp / "maddrs"), "--run-id", RUN,
-                 "--metrics-port", "0", "--dashboard-port", "0", log=tmp / "boot.log")
+                 "--metrics-port", "0", "--metrics-refresh", BOOT_LOOK_S, "--dashboard-port", "0",
+                 log=tmp / "boot.log")
     procs = [boot]
     try:
         maddr = wait_for_file(tmp / "maddrs", boot)
@@ -136,7 +141,7 @@ def test_metrics_mid_run_match_the_workers_reports_and_the_bootstrap_counts_the_
         info = [labels for (name, labels) in metrics if name == "p2ptrain_worker_info"]
         assert dict(info[0])["peer_id"] == written["peer_id"] and dict(info[0])["run_id"] == RUN
 
-    def swarm_counted() -> bool:  # the bootstrap reads the records every 10 s
+    def swarm_counted() -> bool:  # the bootstrap reads the records every BOOT_LOOK_S
         seen = scrape(swarm["boot_metrics"])
         return seen.get(("p2ptrain_swarm_peers", (("mode", "public"), ("run_id", RUN)))) == 2 and \
             seen.get(("p2ptrain_swarm_outer_step", (("run_id", RUN),)), 0) >= 2
