@@ -6,7 +6,7 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 import xxhash
@@ -158,6 +158,11 @@ def sync_phases(seconds: Dict[str, float], result: Optional[RoundResult]) -> Dic
         phases["allreduce"] = result.allreduce_s
         phases.update({f"allreduce.{name}": value for name, value in result.phases.items()})
     return phases
+
+
+def is_digest(value: Any) -> bool:
+    """Whether ``value`` is what ``_digest_of`` returns: 32 lower-case hex digits."""
+    return isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)
 
 
 def _digest_of(tensors: Iterable[torch.Tensor]) -> str:

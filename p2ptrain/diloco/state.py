@@ -16,7 +16,7 @@ import torch
 from p2ptrain.averaging import RoundResult
 from p2ptrain.averaging.state_transfer import flatten_state, unflatten_state
 from p2ptrain.diloco.context import PeerState
-from p2ptrain.diloco.records import _digest_of
+from p2ptrain.diloco.records import _digest_of, is_digest
 from p2ptrain.finite import all_finite
 
 logger = logging.getLogger(__package__)  # one logger name for the whole optimizer, as users grep for it
@@ -51,15 +51,22 @@ class StateSharing:
         """Compare the digests the group's members started the round from. If they differ (a peer missed part of an
         earlier round, applied a local step, or was corrupted), every member agrees on one reference digest (the most
         common; ties go to the smallest peer id) and the members that did not hold it take the state anew from a peer
-        that did. Returns True if this peer repaired itself."""
-        digests = {peer: info.get("digest") for peer, info in result.gathered.items()}
+        that did. Returns True if this peer repaired itself.
+
+        Only members this peer has not excluded, with a digest of the right form, vote: two key holders whose parts
+        this round refused, claiming a made-up digest, had tied the two honest members of a group of four, won the
+        tie on their peer ids, and sent both honest peers to take the state anew after a round that was sound (CI:
+        the honest peers then ended on other parameters than without the rogues)."""
+        me, excluded = self.state.peer_id, set(self.state.averager.banned_peers)
+        digests = {peer: info.get("digest") for peer, info in result.gathered.items()
+                   if peer == me or (peer not in excluded and is_digest(info.get("digest")))}
         if len(set(digests.values())) <= 1:
             return False
         counts: dict = {}
         for digest in digests.values():
             counts[digest] = counts.get(digest, 0) + 1
         reference = min(digests.items(), key=lambda item: (-counts[item[1]], item[0]))[1]
-        mine = digests.get(self.state.peer_id)
+        mine = digests.get(me)
         logger.error(
             f"{self.state.tag()} the group started this round from {len(counts)} different parameter versions "
             f"({', '.join(f'{d[:8]}x{n}' for d, n in counts.items())}); the reference is {reference[:8]}"

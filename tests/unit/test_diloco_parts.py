@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from p2ptrain.averaging import RoundResult
 from p2ptrain.config import DiLoCoConfig
 from p2ptrain.diloco import DiLoCoOptimizer, DiLoCoOptions
 from p2ptrain.diloco.catch_up import CatchUp
@@ -119,6 +120,9 @@ class FakeAverager:
         self.host_outer_step = None
         self.allow_state_sharing, self.client_mode = True, False
         self.downloaded = None
+        self.banned_peers = []
+        self.downloads = 0
+
 
     @contextlib.contextmanager
     def get_tensors(self):
@@ -128,6 +132,7 @@ class FakeAverager:
         self.host_outer_step = step
 
     def download_state(self, timeout_s):
+        self.downloads += 1
         return self.downloaded
 
 
@@ -321,3 +326,33 @@ def test_streaming_sync_launches_a_fragment_round_and_applies_it_at_its_step():
         streaming.after_step()
     assert launched == [0, 1] and state.in_flight is None
     assert state.outer_step == 1 and len(state.history) == 1 and len(state.history[0].fragments) == 2
+
+
+def digests_round(me: str, mine: str, others: dict) -> RoundResult:
+    return RoundResult(group_size=1 + len(others), gathered={me: {"digest": mine},
+                                                             **{p: {"digest": d} for p, d in others.items()}})
+
+
+@pytest.mark.parametrize("rogue_digest, excluded", [("x", False), ("0" * 32, True)])
+def test_a_repair_ignores_the_digests_of_excluded_members_and_made_up_ones(rogue_digest, excluded):
+    """Two key holders in a group of four claim one digest: excluded this round, or not a digest at all, they do not
+    vote, so they cannot win a tie on their smaller peer ids and send the honest members after another state (CI:
+    test_rogue's huge+inf)."""
+    state = peer_state()
+    honest = state.digest
+    if excluded:
+        state.averager.banned_peers = ["Qm1rogue", "Qm2rogue"]
+    sharing = StateSharing(state, on_loaded=lambda: None, download_timeout_s=1.0)
+    result = digests_round(state.peer_id, honest, {"Qm1rogue": rogue_digest, "Qm2rogue": rogue_digest,
+                                                   "QmZhonest": honest})
+    assert not sharing.repair_if_diverged(result)
+    assert state.averager.downloads == 0 and state.averager.allow_state_sharing
+
+
+def test_a_repair_still_takes_the_state_when_the_honest_majority_holds_another_digest():
+    state = peer_state()
+    other = "f" * 32
+    sharing = StateSharing(state, on_loaded=lambda: None, download_timeout_s=1.0)
+    assert not sharing.repair_if_diverged(digests_round(state.peer_id, state.digest, {"QmB": other, "QmC": other}))
+    assert state.averager.downloads == 1  # it tried (the fake has no donor), with its own sharing off meanwhile
+    assert state.averager.allow_state_sharing
