@@ -75,7 +75,8 @@ def sparse_reference(num_peers: int, *, local_steps: int, outer_steps: int):
 
 
 def test_three_peers_end_every_sync_bit_identical_and_match_sparseloco_math(three_dhts):
-    models, opts, snapshots = train_peers(three_dhts, compression="sparse", local_steps=4, outer_steps=3,
+    models, opts, snapshots = train_peers(three_dhts, adaptive_steps=False,
+                                          compression="sparse", local_steps=4, outer_steps=3,
                                           run_id="sparse3", target_group_size=None, sparse_k=K, sparse_decay=DECAY,
                                           outer_optimizer=SPARSE_OUTER, min_group_size=3)
     try:
@@ -112,7 +113,8 @@ def test_streaming_fragments_send_each_fragments_message_and_stay_bit_identical(
     an all-gather of that fragment's sparse message (its own layout and size), every peer ends each phase with the
     same global bits, and every phase equals the one-process replay of Streaming DiLoCo with SparseLoCo's round."""
     local_steps, outer_steps = 6, 2
-    models, opts, snapshots = train_peers(three_dhts, compression="sparse", local_steps=local_steps,
+    models, opts, snapshots = train_peers(three_dhts, adaptive_steps=False,
+                                          compression="sparse", local_steps=local_steps,
                                           outer_steps=outer_steps, run_id="sparse-stream", target_group_size=None,
                                           min_group_size=3, sparse_k=K, sparse_decay=DECAY,
                                           outer_optimizer=SPARSE_OUTER, fragments=3, overlap_steps=1,
@@ -200,7 +202,8 @@ def test_malformed_sparse_pieces_are_refused_and_their_sender_excluded_with_a_lo
 
 def test_a_checkpoint_restores_the_accumulator_and_a_newcomer_starts_from_zeros(three_dhts):
     first, second, newcomer_dht = three_dhts
-    models, opts, _ = train_peers([first, second], compression="sparse", local_steps=3, outer_steps=2,
+    models, opts, _ = train_peers([first, second], adaptive_steps=False,
+                                  compression="sparse", local_steps=3, outer_steps=2,
                                   run_id="sparse-join", target_group_size=None, sparse_k=K,
                                   outer_optimizer=SPARSE_OUTER)
     try:
