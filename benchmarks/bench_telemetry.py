@@ -55,7 +55,8 @@ def main(argv: Optional[list] = None) -> None:
     parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--peers", type=int, default=16)
     args = parser.parse_args(argv)
-    from p2ptrain.observe.loggers import TrainingLoggers, parse_log_to
+    from p2ptrain.observe.log_targets import parse_log_to
+    from p2ptrain.observe.loggers import TrainingLoggers
     from p2ptrain.observe.metrics import WorkerMetrics
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -48,20 +48,8 @@ LR_SCHEDULES = ("constant", "cosine", "linear")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 """train_loop.py's autocast modes; auto: bf16 on CUDA, fp32 on CPU"""
 
-# what moved to settings.py and config_checks.py is imported here too: importers use this path
-from p2ptrain.config_checks import (  # noqa: F401
-    DATA_SUFFIXES,
-    FACTORY_PATTERN,
-    HUB_ID_PATTERN,
-    MAX_RUN_ID_CHARS,
-    check_combinations,
-    check_maddrs,
-    is_hub_dataset,
-    model_kind,
-    model_source_problem,
-    multi_rank_problem,
-)
-from p2ptrain.settings import ConfigError, Setting, derive_settings, read_toml, setting  # noqa: F401
+from p2ptrain.config_checks import check_combinations
+from p2ptrain.settings import ConfigError, Setting, derive_settings, read_toml, setting
 
 
 @dataclass

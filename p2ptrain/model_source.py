@@ -31,7 +31,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from p2ptrain.config import ConfigError, model_kind
+from p2ptrain.config import ConfigError
+from p2ptrain.config_checks import model_kind
 from p2ptrain.model import GPT, build_model, model_config
 
 HF_EXTRA = "pip install 'p2ptrain[hf]'"

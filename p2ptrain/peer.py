@@ -18,7 +18,6 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from p2ptrain.bootstrap_peer import SWARM_LOOK_S, run_bootstrap  # noqa: F401 (it lived here; importers use this path)
 from p2ptrain.checkpoint import resume_state
 from p2ptrain.config import ConfigError, RunConfig, default_threads
 from p2ptrain.data import ShardedBatches, eval_batches, phase_shortfall, token_unit
@@ -39,7 +38,7 @@ from p2ptrain.training_data import load_training_data
 from p2ptrain.worker_checkpoints import WorkerCheckpoints
 from p2ptrain.worker_report import WorkerReport
 
-__all__ = ["Worker", "WorkerReport", "pick_device", "run_bootstrap"]
+__all__ = ["Worker", "WorkerReport", "pick_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -347,7 +346,8 @@ class Worker:
                           group_lookups=lambda: averager.group_lookups)
         loggers = None
         if self.config.observe.log_to:
-            from p2ptrain.observe.loggers import TrainingLoggers, parse_log_to
+            from p2ptrain.observe.log_targets import parse_log_to
+            from p2ptrain.observe.loggers import TrainingLoggers
 
             loggers = TrainingLoggers([parse_log_to(spec) for spec in self.config.observe.log_to],
                                       run_id=self.config.run_id, peer_id=peer_id, config=self.config.to_dict())

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from p2ptrain.checkpoint import (checkpoint_path, latest_sharded_or_raise, load_checkpoint, save_checkpoint,
                                  sharded_checkpoint_dir)
-from p2ptrain.config import ConfigError, multi_rank_problem
+from p2ptrain.config import ConfigError
+from p2ptrain.config_checks import multi_rank_problem
 from p2ptrain.diloco import DiLoCoOptimizer, DiLoCoOptions
 from p2ptrain.hsdp import ShardedDiLoCo, broadcast_object, init_ranks, load_shards, shard_model
 from p2ptrain.outer import make_outer_optimizer

@@ -34,7 +34,6 @@ from p2ptrain.averaging.evidence import BAN_S, Evidence
 from p2ptrain.averaging.plan import RoundReport, SharedRoundPlan
 from p2ptrain.averaging.process import enter_averager_process, remove_replica_socket
 from p2ptrain.averaging.robust import check_aggregation, weight_cap
-from p2ptrain.averaging.round import PROTOCOL_VERSION  # noqa: F401 (optimizer.py imports it from here)
 from p2ptrain.averaging.round import (IncompleteRoundError, RoundResult, claimed_weights, mixes_states,
                                       own_norm_scale, read_gathered, schema_hash)
 from p2ptrain.averaging.sparse import Layout

@@ -29,12 +29,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from p2ptrain.bench.local import (LOOPBACK, ProcessTree, interrupts_raised, leftover_processes, loopback_join,
                                   read_json, stop_swarm)
-# what moved to scale_figures.py and scale_report.py is imported here too: importers use this path
-from p2ptrain.bench.scale_figures import (MEMORY_BUDGET_BYTES, SCRAPED, ScaleConfig, finite,  # noqa: F401
-                                          groups_by_step, largest_fit, lookups_per_round, parse_metrics, round_split,
-                                          rounds_to_mix, summarize_scale, sync_rounds)
-from p2ptrain.bench.scale_report import (MB, TABLE_HEADER, final_models, format_steps, mixing_cell,  # noqa: F401
-                                         plot_scale, scale_markdown, scale_row, summary_line)
+from p2ptrain.bench.scale_figures import MEMORY_BUDGET_BYTES, ScaleConfig, finite, parse_metrics, summarize_scale
+from p2ptrain.bench.scale_report import plot_scale, scale_markdown, summary_line
 from p2ptrain.daemons import DaemonError, spawn, wait_for_address
 
 METRICS_URL = re.compile(r"Prometheus metrics (?:of run \S+ )?at (http://\S+/metrics)")

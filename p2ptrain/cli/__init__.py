@@ -28,7 +28,7 @@ from p2ptrain.cli.bench import bench
 from p2ptrain.cli.observe import check_observe_input, dashboard, dashboard_options
 from p2ptrain.cli.plot import plot
 from p2ptrain.cli.status import fetch_status, print_status
-from p2ptrain.config import is_hub_dataset, multi_rank_problem
+from p2ptrain.config_checks import is_hub_dataset, multi_rank_problem
 
 logger = logging.getLogger("p2ptrain.cli")
 
@@ -70,7 +70,7 @@ def bootstrap(ctx: click.Context, maddrs_file: Optional[str], config_path: Optio
     check_observe_input(config.observe, dashboard_port=dashboard_port, dashboard_host=dashboard_host)
     from p2ptrain.config import expand_hostname
     from p2ptrain.observe import PortUnavailable
-    from p2ptrain.peer import run_bootstrap
+    from p2ptrain.bootstrap_peer import run_bootstrap
     from p2ptrain.swarm.dht import DHTLost, SwarmError
 
     setup_hivemind_logging()

@@ -25,7 +25,7 @@ def check_observe_input(observe: Any, dashboard_port: Optional[int] = None,
     """One-line errors, before anything starts, for a metrics endpoint or a logger whose package is missing, and for
     a --metrics-port or --dashboard-port that something else listens on."""
     from p2ptrain.observe import MissingExtra, require
-    from p2ptrain.observe.loggers import LogToError, parse_log_to
+    from p2ptrain.observe.log_targets import LogToError, parse_log_to
 
     try:
         if observe.metrics_port is not None:

@@ -21,8 +21,8 @@ import torch
 from hivemind import DHT
 
 from p2ptrain.averaging import PseudoGradientAverager
-from p2ptrain.averaging.averager import PROTOCOL_VERSION
 from p2ptrain.averaging.compression import ERROR_FEEDBACK_BY_DEFAULT, SPARSE
+from p2ptrain.averaging.round import PROTOCOL_VERSION
 from p2ptrain.config import DiLoCoConfig
 from p2ptrain.diloco.catch_up import CatchUp
 from p2ptrain.diloco.context import PeerState

@@ -18,12 +18,8 @@ import logging
 import threading
 from typing import Any, Dict, List, Optional, Sequence
 
-# what moved to log_targets.py and sinks.py is imported here too: importers use this path
-from p2ptrain.observe.log_targets import (DEFAULT_WANDB_PROJECT, KINDS, USAGE,  # noqa: F401
-                                          WANDB_PROJECT_FORBIDDEN, WANDB_PROJECT_MAX_CHARS, LogTarget, LogToError,
-                                          parse_log_to, wandb_project_problem)
-from p2ptrain.observe.sinks import (TENSORBOARD_FLUSH_S, TENSORBOARD_MAX_QUEUE, Sink, TensorBoardSink,  # noqa: F401
-                                    WandbSink, one_line, wandb_needs_offline, worker_run_name)
+from p2ptrain.observe.log_targets import LogTarget, LogToError
+from p2ptrain.observe.sinks import Sink, TensorBoardSink, WandbSink, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -138,5 +134,4 @@ class TrainingLoggers:
         self.close()
 
 
-__all__ = ["LogToError", "LogTarget", "parse_log_to", "TrainingLoggers", "wandb_project_problem",
-           "wandb_needs_offline", "worker_run_name", "TENSORBOARD_FLUSH_S", "DEFAULT_WANDB_PROJECT"]
+__all__ = ["TrainingLoggers"]

@@ -16,7 +16,8 @@ from typing import Callable, List, Optional, Sequence
 import hivemind
 from hivemind.p2p import P2P, P2PDaemonError
 
-from p2ptrain.config import SwarmConfig, check_maddrs  # noqa: F401 (SwarmConfig lived here; importers use this path)
+from p2ptrain.config import SwarmConfig  # noqa: F401 (SwarmConfig lived here; importers use this path)
+from p2ptrain.config_checks import check_maddrs
 from p2ptrain.hivemind_compat import check_hivemind, p2p_socket_paths, p2ps_made, remove_unstarted_p2p_files
 from p2ptrain.lifeline import (exit_on_sigterm, follow_parent, leave_process_group, on_forced_exit, parent_gone,
                                remove_files, remove_inherited_temp_dir)

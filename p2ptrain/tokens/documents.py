@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence, Union
 
-from p2ptrain.config import DATA_SUFFIXES, is_hub_dataset
+from p2ptrain.config_checks import DATA_SUFFIXES, is_hub_dataset
 from p2ptrain.data import DataError
 from p2ptrain.tokens.hf_extra import first_line, require_package
 

@@ -12,9 +12,10 @@ import time
 import psutil
 import pytest
 
-from p2ptrain.bench.scale import (MEMORY_BUDGET_BYTES, TABLE_HEADER, ScaleConfig, format_steps, groups_by_step,
-                                  largest_fit, lookups_per_round, parse_metrics, plot_scale, round_split,
-                                  scale_markdown, summarize_scale, worker_args)
+from p2ptrain.bench.scale import worker_args
+from p2ptrain.bench.scale_figures import (MEMORY_BUDGET_BYTES, ScaleConfig, groups_by_step, largest_fit,
+                                          lookups_per_round, parse_metrics, round_split, summarize_scale)
+from p2ptrain.bench.scale_report import TABLE_HEADER, format_steps, plot_scale, scale_markdown
 from tests.helpers import descendants, exit_code
 
 

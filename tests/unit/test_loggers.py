@@ -18,7 +18,9 @@ import pytest
 
 from p2ptrain.observe import MissingExtra
 from p2ptrain.observe import sinks as sinks_module
-from p2ptrain.observe.loggers import LogTarget, LogToError, TrainingLoggers, parse_log_to, wandb_needs_offline
+from p2ptrain.observe.log_targets import LogTarget, LogToError, parse_log_to
+from p2ptrain.observe.loggers import TrainingLoggers
+from p2ptrain.observe.sinks import wandb_needs_offline
 
 PEER_ID = "12D3KooWQxk1pQsPr2ej9UBrfA5UWfngQVgq2Sv8VfMpeFgs4Jh5"
 RUN = "run-a"
@@ -87,7 +89,7 @@ def test_parse_bad_specs_name_the_spec_and_the_fix(spec, problem):
 
 def test_parse_imports_neither_library():
     # the CLI checks specs before anything heavy is loaded: parsing must not pull them in
-    code = ("import sys; from p2ptrain.observe.loggers import parse_log_to; parse_log_to('wandb:x'); "
+    code = ("import sys; from p2ptrain.observe.log_targets import parse_log_to; parse_log_to('wandb:x'); "
             "parse_log_to('tensorboard:d'); print(sorted(m for m in ('wandb', 'tensorboard') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

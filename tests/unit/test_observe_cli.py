@@ -75,7 +75,8 @@ def test_a_port_taken_after_the_commands_check_is_refused_when_its_server_starts
 
     from p2ptrain.config import ObserveConfig, SwarmConfig
     from p2ptrain.observe import PortUnavailable
-    from p2ptrain.peer import Worker, run_bootstrap
+    from p2ptrain.bootstrap_peer import run_bootstrap
+    from p2ptrain.peer import Worker
 
     observe = ObserveConfig(metrics_port=taken_port)
     worker = SimpleNamespace(config=SimpleNamespace(observe=observe, run_id="taken", diloco=SimpleNamespace(

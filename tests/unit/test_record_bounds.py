@@ -17,7 +17,7 @@ from p2ptrain.averaging.audit import commitment, make_receipt
 from p2ptrain.averaging.compression import get_compression
 from p2ptrain.averaging.evidence import (MAX_ITEMS, AverageSigner, evidence_record, judge, signed_average,
                                          signed_by_reducer, summary)
-from p2ptrain.config import MAX_RUN_ID_CHARS
+from p2ptrain.config_checks import MAX_RUN_ID_CHARS
 from p2ptrain.observe.telemetry import (MAX_BANNED, MAX_EVALS, MAX_LOSSES, MAX_ROUNDS, TelemetryPublisher,
                                         parse_telemetry)
 from p2ptrain.proto import p2ptrain_pb2
