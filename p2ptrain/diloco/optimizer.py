@@ -31,7 +31,8 @@ from p2ptrain.diloco.options import DiLoCoOptions, resolve
 from p2ptrain.diloco.pseudo import Contribution
 from p2ptrain.diloco.records import SyncRecord, Throughput
 from p2ptrain.diloco.reporting import Reporter
-from p2ptrain.diloco.rounds import Rounds, RoundSettings
+from p2ptrain.diloco.round_policy import RoundSettings
+from p2ptrain.diloco.rounds import Rounds
 from p2ptrain.diloco.state import StateSharing
 from p2ptrain.diloco.streaming import StreamingSync
 from p2ptrain.diloco.sync import BlockingSync

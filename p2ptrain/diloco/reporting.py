@@ -11,7 +11,7 @@ from typing import Optional
 from p2ptrain.averaging import RoundResult
 from p2ptrain.diloco.context import PeerState
 from p2ptrain.diloco.records import SyncRecord, Throughput, sync_phases
-from p2ptrain.diloco.rounds import Position
+from p2ptrain.diloco.swarm_view import Position
 from p2ptrain.pace import Pace
 from p2ptrain.swarm.progress import FORCED_STORE_WAIT_S, ProgressPublisher
 
@@ -89,7 +89,7 @@ class Reporter:
             s.samples_since_sync = 0
             s.steps_since_sync = 0
         # our commit, stored in the background: a member of this round that reads the records before it is stored
-        # still counts us (rounds.outlook_of), and waiting here cost up to FORCED_STORE_WAIT_S of every sync
+        # still counts us (swarm_view.outlook_of), and waiting here cost up to FORCED_STORE_WAIT_S of every sync
         started_publish = time.perf_counter()
         self.publish(force=True, wait=False)
         record.phases["record"] = time.perf_counter() - started_publish

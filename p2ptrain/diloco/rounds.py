@@ -19,15 +19,11 @@ from hivemind.utils import get_dht_time
 
 from p2ptrain.averaging import RoundResult
 from p2ptrain.diloco.records import RoundOutcome, RoundOutlook
-from p2ptrain.diloco.round_policy import (FIRST_ROUND_WAIT_S, FORMING_LOOK_S, LATE_PEER_STALL_S,
-                                          MAX_INCOMPLETE_RETRIES, UNJOINABLE_ROUNDS, Ask, Attempt, Attempted,
-                                          Finish, Look, LookAgain, Memory, RoundSettings, Settle, Settled, behind,
-                                          decide)
-from p2ptrain.diloco.swarm_view import Position, SwarmView, outlook_of
+from p2ptrain.diloco.round_policy import (Ask, Attempt, Attempted, Finish, Look, LookAgain, Memory, RoundSettings,
+                                          Settle, Settled, behind, decide)
+from p2ptrain.diloco.swarm_view import Position, SwarmView
 
-# the names the optimizer, the syncs and the tests import from here
-__all__ = ["FIRST_ROUND_WAIT_S", "FORMING_LOOK_S", "LATE_PEER_STALL_S", "MAX_INCOMPLETE_RETRIES", "UNJOINABLE_ROUNDS",
-           "BEHIND_POLL_S", "Position", "RoundSettings", "Rounds", "outlook_of"]
+__all__ = ["BEHIND_POLL_S", "Rounds"]
 
 logger = logging.getLogger(__package__)  # one logger name for the whole optimizer, as users grep for it
 

@@ -22,7 +22,7 @@ from p2ptrain.diloco.context import PeerState
 from p2ptrain.diloco.pseudo import Contribution
 from p2ptrain.diloco.records import Outcome, RoundOutcome, SyncRecord, _digest_of
 from p2ptrain.diloco.reporting import Reporter
-from p2ptrain.diloco.rounds import Position
+from p2ptrain.diloco.swarm_view import Position
 from p2ptrain.fragments import FragmentPlan
 from p2ptrain.outer import merge_, outer_step_
 from p2ptrain.swarm.progress import FORCED_STORE_WAIT_S, wait_until_stored

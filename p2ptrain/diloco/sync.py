@@ -47,9 +47,9 @@ class BlockingSync:
         clock = s.clock = PhaseClock()
         self.reporter.throughput.update()
         # tell the others we are at the sync point now, not at the next periodic refresh: a round waits for the
-        # live peers that have not got there yet (_plan_round), and would wait for us too. The store runs in the
-        # DHT's process while this thread reads the records and computes the pseudo-gradient; it is waited for
-        # (bounded) before matchmaking starts
+        # live peers that have not got there yet (round_policy.plan_round), and would wait for us too. The store
+        # runs in the DHT's process while this thread reads the records and computes the pseudo-gradient; it is
+        # waited for (bounded) before matchmaking starts
         store_deadline = time.monotonic() + FORCED_STORE_WAIT_S
         with clock("publish"):
             stored = self.reporter.publish(force=True, wait=False)

@@ -14,8 +14,9 @@ import pytest
 from p2ptrain.averaging import RoundResult
 from p2ptrain.diloco.records import Outcome, RoundOutlook
 from p2ptrain.mixing import groups_of
-from p2ptrain.diloco.rounds import (MAX_INCOMPLETE_RETRIES, UNJOINABLE_ROUNDS, Position, Rounds, RoundSettings,
-                                     outlook_of)
+from p2ptrain.diloco.round_policy import MAX_INCOMPLETE_RETRIES, UNJOINABLE_ROUNDS, RoundSettings
+from p2ptrain.diloco.rounds import Rounds
+from p2ptrain.diloco.swarm_view import Position, outlook_of
 from p2ptrain.proto.p2ptrain_pb2 import PeerProgress
 
 
