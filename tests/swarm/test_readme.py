@@ -446,11 +446,14 @@ def test_make_demo_and_its_figures(shell):
         # its last digits' rounding and runs outside the ones it was taken from
         assert float(low) - 0.03 <= w["final_eval_loss"] <= float(high) + 0.03, (w["final_eval_loss"], low, high)
         assert [r["group_size"] for r in w["rounds"]] == [int(group)] * w["outer_steps"]
-        sent = sum(r["bytes_sent"] for r in w["rounds"]) / len(w["rounds"])
-        # the workers reduce different ranges, whose answers carry receipts of different sizes: their counts differ
-        # by a few hundred bytes (885,452 and 885,714), which can round to either side of a KB
-        assert abs(sent / 1000 - int(kb)) <= 1, sent
         assert (round(w["num_parameters"] / 1000), w["model"]) == (int(params), model)
+    # In each round one worker reduces the first range and the other the second, and the two roles send 884,928 and
+    # 886,238 bytes; which worker takes which role is drawn anew each round, so a worker's own mean lies anywhere
+    # between the two (CI saw one take the larger role 5 times of 5). The swarm's mean per worker per sync is fixed.
+    sent = [r["bytes_sent"] for w in workers for r in w["rounds"]]
+    mean = sum(sent) / len(sent)
+    assert round(mean / 1000) == int(kb), (mean, kb)
+    assert all(abs(s - mean) <= 0.002 * mean for s in sent), sent
     assert workers[0]["final_eval_loss"] == workers[1]["final_eval_loss"], "bit-identical peers, the same loss"
 
 
