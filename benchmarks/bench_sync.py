@@ -12,6 +12,14 @@ only the fixed costs around it. Each sync's time is split into its phases (see
 ``SyncRecord.phases``): publish, plan, pseudo_gradient, matchmaking, allreduce, outer_step, digest, record, and
 inside the all-reduce the CPU seconds of encode, decode, checks and the result's write (these overlap the wire).
 
+``--rate-mbit R`` puts each peer in a network namespace of its own with an R Mbit/s link both ways (``tc tbf``,
+``p2ptrain.bench.netns``; root), as the swarm benchmark does, and adds each sync against the bandwidth bound: the
+butterfly's bytes per peer over the link rate. ``--mlp M`` averages a plain MLP of about M million parameters instead
+of a language model (the shape the anchors' side by side used); ``--defaults`` leaves the group settings at the
+optimizer's defaults, as a user's peer has them.
+
+    python benchmarks/bench_sync.py --mlp 10 --peers 3 --rate-mbit 100 --defaults --syncs 5 --no-ceiling
+
 The transport ceiling is measured first with the same number of processes: each opens a raw hivemind P2P stream to
 every other peer (p2pd to p2pd, as the all-reduce's streams go) and writes 1 MiB chunks while it reads the streams
 the others opened. Its MB/s, and the all-reduce's, are bytes sent plus received per peer per second.
@@ -41,14 +49,36 @@ BYTES_PER_VALUE = {"none": 4, "fp16": 2, "bf16": 2, "int8": 1 + 4 / 1024}
 
 # ------------------------------------------------------------------------------------------- transport ceiling
 
-def _ceiling_peer(index: int, peers: int, megabytes: int, maddrs, barrier, results) -> None:
+def _enter_namespace(namespace: Optional[str]) -> None:
+    """Move this process (before it opens any socket) into ``namespace``, a ``p2ptrain.bench.netns`` host; the p2pd
+    it starts inherits it. Python 3.11 has no ``os.setns``: libc's, through ctypes."""
+    if namespace is None:
+        return
+    import ctypes
+
+    clone_newnet = 0x40000000
+    fd = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, clone_newnet) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {namespace} failed")
+    finally:
+        os.close(fd)
+
+
+def _host(args: dict, index: int) -> str:
+    """The address peer ``index`` listens on: its namespace's, or loopback."""
+    return args["addresses"][index] if args.get("addresses") else "127.0.0.1"
+
+
+def _ceiling_peer(index: int, peers: int, megabytes: int, maddrs, barrier, results, net: dict) -> None:
+    _enter_namespace(net["namespaces"][index] if net.get("namespaces") else None)
     from hivemind.p2p import P2P, PeerID
 
     async def main() -> None:
         while len(maddrs) < index:  # peer k dials peers 0..k-1 as it starts: every pair is connected
             await asyncio.sleep(0.05)
         earlier = [a for j in range(index) for a in maddrs[j]]
-        p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=earlier)
+        p2p = await P2P.create(host_maddrs=[f"/ip4/{_host(net, index)}/tcp/0"], initial_peers=earlier)
         maddrs[index] = [str(m) for m in await p2p.get_visible_maddrs()]
         received = {"bytes": 0}
         done_reading = asyncio.Event()
@@ -86,14 +116,14 @@ def _ceiling_peer(index: int, peers: int, megabytes: int, maddrs, barrier, resul
     asyncio.run(main())
 
 
-def transport_ceiling(peers: int, megabytes: int = 256) -> float:
+def transport_ceiling(peers: int, megabytes: int = 256, net: Optional[dict] = None) -> float:
     """MB/s (sent + received) per peer through raw hivemind P2P streams, every peer to every other at once."""
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         maddrs, results = manager.dict(), manager.dict()
         barrier = ctx.Barrier(peers)
         procs = [ctx.Process(target=_ceiling_peer, args=(i, peers, megabytes // max(peers - 1, 1), maddrs, barrier,
-                                                          results)) for i in range(peers)]
+                                                          results, net or {})) for i in range(peers)]
         for p in procs:
             p.start()
         for p in procs:
@@ -151,34 +181,52 @@ class _PeakMemory:
         return self.peak
 
 
+def _mlp(millions: float, width: int = 1024):
+    """A plain MLP of about ``millions`` million parameters: square layers of ``width`` with biases."""
+    from torch import nn
+
+    layers = max(1, round(millions * 1e6 / (width * width + width)))
+    return nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+
+
 def _sync_peer(index: int, args: dict, maddrs, barrier, results) -> None:
+    _enter_namespace(args["namespaces"][index] if args.get("namespaces") else None)
     mp.set_start_method("fork", force=True)  # a spawned child inherits "spawn"; hivemind forks its averager
     import torch
 
     from p2ptrain import DiLoCoOptimizer
-    from p2ptrain.config import SwarmConfig
+    from p2ptrain.config import DiLoCoConfig, SwarmConfig
     from p2ptrain.model_source import build_from_spec, resolve_model
     from p2ptrain.swarm.dht import start_dht, stop_dht, visible_maddrs
 
     torch.set_num_threads(args["threads"])
     torch.manual_seed(1000 + index)
     device = torch.device(args["device"])
-    model = build_from_spec(resolve_model(args["model"]), seed=0).to(device)
+    if args.get("mlp"):
+        torch.manual_seed(0)
+        model = _mlp(args["mlp"]).to(device)
+    else:
+        model = build_from_spec(resolve_model(args["model"]), seed=0).to(device)
+    host = [f"/ip4/{_host(args, index)}/tcp/0"]
     if index == 0:
-        dht = start_dht(SwarmConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"], reachability="public"))
+        dht = start_dht(SwarmConfig(host_maddrs=host, reachability="public"))
         maddrs[0] = visible_maddrs(dht)
     barrier.wait()
     if index:
-        dht = start_dht(SwarmConfig(initial_peers=maddrs[0], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                    reachability="public"))
+        dht = start_dht(SwarmConfig(initial_peers=maddrs[0], host_maddrs=host, reachability="public"))
     sparse = args["compression"] == "sparse"  # one group of the whole swarm: min_group_size holds it together
+    if args.get("defaults"):  # the group settings a user's peer has: none given
+        group = {}
+    else:
+        group = dict(target_group_size=None if sparse else args["peers"],
+                     min_group_size=max(args["peers"], 1) if sparse else 2, matchmaking_time_s=5.0,
+                     averaging_timeout_s=600.0)
+    settings = DiLoCoConfig(compression=args["compression"], **group)
     opt = DiLoCoOptimizer(
         model.parameters(), dht=dht, run_id="bench-sync", local_steps=1,
         inner_optimizer=partial(torch.optim.SGD, lr=0.0),
         outer_optimizer=partial(torch.optim.SGD, lr=1.0) if sparse else
-        partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
-        compression=args["compression"], target_group_size=None if sparse else args["peers"],
-        min_group_size=max(args["peers"], 1) if sparse else 2, matchmaking_time_s=5.0, averaging_timeout_s=600.0,
+        partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True), settings=settings,
     ).start()
     memory = baseline = None
     cpu: List[float] = []  # CPU seconds of this peer's processes per sync, from the second on
@@ -227,7 +275,7 @@ def run_syncs(args: dict) -> List[dict]:
 
 # ---------------------------------------------------------------------------------------------------- report
 
-def summarize(peers: List[dict], ceiling: Optional[float], skip_first: bool) -> dict:
+def summarize(peers: List[dict], ceiling: Optional[float], skip_first: bool, rate_mbit: Optional[float] = None) -> dict:
     """Means over every peer's syncs (the first left out when there are more: it pays for warm-up)."""
     records = [r for peer in peers for r in (peer["records"][1:] if skip_first else peer["records"])]
     agree = all(len({p["digests"][k] for p in peers}) == 1 for k in range(len(peers[0]["digests"])))
@@ -250,6 +298,8 @@ def summarize(peers: List[dict], ceiling: Optional[float], skip_first: bool) -> 
         non_wire_s=max(seconds - split["matchmaking"] - split["allreduce"], 0.0),
         allreduce_mb_s=rate, ceiling_mb_s=ceiling, of_ceiling=rate / ceiling if ceiling else None,
         bytes_moved=moved, bytes_sent=sent, butterfly_sent_bytes=bound, of_butterfly=sent / bound if bound else None,
+        # with a link rate: the butterfly's bytes per peer over it, the least a sync can take, and each phase against it
+        rate_mbit=rate_mbit, bound_s=bound * 8 / (rate_mbit * 1e6) if rate_mbit and n > 1 else None,
         group_sizes=sorted({r["group_size"] for r in records}), digests_agree=agree,
         rss_before_mb=max(p["rss_before"] for p in peers) / 1e6,
         # CPU seconds of every peer's processes (host, averager, p2pd) per second of sync: the machine's cores busy
@@ -275,6 +325,11 @@ def print_table(rows: List[dict]) -> None:
         if row["peers"] == 1:
             print(f"peers=1: a lone peer's sync, no all-reduce; cores busy during a sync {row['cores_busy']:.2f}")
             continue
+        if row.get("bound_s"):
+            print(f"peers={row['peers']} at {row['rate_mbit']:g} Mbit/s: the bandwidth bound is {row['bound_s']:.2f} s; "
+                  f"a sync takes {row['seconds'] / row['bound_s']:.2f}x it, the all-reduce "
+                  f"{row['split']['allreduce'] / row['bound_s']:.2f}x, and {row['seconds'] - row['split']['allreduce']:.2f} s"
+                  " of each sync is outside the all-reduce")
         print(f"peers={row['peers']}: all-reduce CPU seconds (overlapping the wire): {work}; bytes moved per peer "
               f"{row['bytes_moved'] / 1e6:.1f} MB; sent {row['bytes_sent'] / 1e6:.1f} MB = {row['of_butterfly']:.3f}x the "
               f"butterfly bound; "
@@ -326,7 +381,14 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--redraw", metavar="JSON", help="only draw --png from a --json file an earlier run wrote")
     parser.add_argument("--png", help="draw the time split here")
+    parser.add_argument("--mlp", type=float, help="average a plain MLP of about this many million parameters")
+    parser.add_argument("--rate-mbit", type=float, help="each peer in a namespace with this link rate (root)")
+    parser.add_argument("--defaults", action="store_true", help="the optimizer's default group settings")
     args = parser.parse_args()
+    if args.rate_mbit is not None and args.rate_mbit <= 0:
+        parser.error("--rate-mbit: a positive rate in Mbit/s")
+    if args.mlp is not None and args.mlp <= 0:
+        parser.error("--mlp: a positive number of million parameters")
     if args.device.startswith("cuda"):
         import torch
 
@@ -337,20 +399,35 @@ def main() -> None:
             rows = json.load(f)
         draw(rows, f"sync of {rows[0]['model']} ({rows[0]['params'] / 1e6:.1f}M params)", args.png or "sync.png")
         return
+    if any(peers < 1 for peers in args.peers):
+        parser.error("--peers: at least 1 (1: a lone peer's sync, its fixed costs alone)")
+    net = {}
+    if args.rate_mbit:
+        from p2ptrain.bench.netns import NetnsUnavailable, Topology
+
+        try:
+            topology = Topology(hosts=max(args.peers), rate_mbit=args.rate_mbit)
+        except NetnsUnavailable as e:
+            parser.error(f"--rate-mbit: {e}; run as root, or leave --rate-mbit out for loopback")
+        net = dict(namespaces=topology.namespaces, addresses=topology.addresses)
+    model = f"mlp-{args.mlp:g}M" if args.mlp else args.model
     rows, ceilings = [], {}
-    for compression in args.compression:
-        for peers in args.peers:
-            if peers < 1:
-                parser.error("--peers: at least 1 (1: a lone peer's sync, its fixed costs alone)")
-            if peers not in ceilings:
-                ceilings[peers] = None if args.no_ceiling or peers == 1 else transport_ceiling(peers, args.ceiling_mb)
-                if ceilings[peers]:
-                    print(f"transport ceiling, {peers} peers: {ceilings[peers]:.0f} MB/s sent+received per peer",
-                          flush=True)
-            results = run_syncs(dict(vars(args), peers=peers, compression=compression))
-            rows.append(summarize(results, ceilings[peers], skip_first=args.syncs > 1))
-            rows[-1].update(model=args.model, compression=compression, device=args.device, raw=results)
-            print_table(rows[-1:])
+    try:
+        for compression in args.compression:
+            for peers in args.peers:
+                if peers not in ceilings:
+                    ceilings[peers] = (None if args.no_ceiling or peers == 1 else
+                                       transport_ceiling(peers, args.ceiling_mb, net))
+                    if ceilings[peers]:
+                        print(f"transport ceiling, {peers} peers: {ceilings[peers]:.0f} MB/s sent+received per peer",
+                              flush=True)
+                results = run_syncs(dict(vars(args), peers=peers, compression=compression, **net))
+                rows.append(summarize(results, ceilings[peers], skip_first=args.syncs > 1, rate_mbit=args.rate_mbit))
+                rows[-1].update(model=model, compression=compression, device=args.device, raw=results)
+                print_table(rows[-1:])
+    finally:
+        if net:
+            topology.close()
     print()
     print_table(rows)
     if args.json:
@@ -358,7 +435,7 @@ def main() -> None:
             json.dump(rows, f, indent=1)
         print(f"wrote {args.json}")
     if args.png:
-        draw(rows, f"sync of {args.model} ({rows[0]['params'] / 1e6:.1f}M params)", args.png)
+        draw(rows, f"sync of {model} ({rows[0]['params'] / 1e6:.1f}M params)", args.png)
 
 
 if __name__ == "__main__":
