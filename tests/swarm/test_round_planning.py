@@ -382,7 +382,7 @@ def test_a_peer_alone_in_matchmaking_looks_the_group_up_a_few_times_a_second_not
     while it has none (PotentialLeaders.pop_next_leader triggers the next update at once): a peer waiting alone for
     a group spun on DHT lookups. In the WAN benchmark a peer a fragment ahead of the others did so for 10-60 s a
     round, and every host's link carried ~150 kB/s of answers to it (its own ~450 kB/s): twice the int8 sync's bytes
-    per phase. The lookups are paced (group_lookup_gaps: 0.1, 0.2, 0.4, then GROUP_LOOKUP_INTERVAL_S); a group
+    per phase. The lookups are paced (group_lookup_gaps: 0.05, 0.1, 0.2, 0.4, then GROUP_LOOKUP_INTERVAL_S); a group
     still forms at once when one is there."""
     from hivemind.utils import get_dht_time
 

@@ -89,3 +89,17 @@ def multiaddr_class_in_this_process_is_hiveminds() -> bool:
     from hivemind.utils.multiaddr import Multiaddr
 
     return hivemind_compat.multiaddr_class() is Multiaddr
+
+
+def test_group_lookups_start_quick_and_settle_at_two_a_second():
+    """A step's lookups of its group's leaders come quickly at first (peers that arrive together find the leader
+    that declared a few milliseconds after their first look) and then at most every GROUP_LOOKUP_INTERVAL_S."""
+    from itertools import islice
+
+    gaps = list(islice(hivemind_compat.group_lookup_gaps(), 8))
+    assert gaps == [0.05, 0.1, 0.2, 0.4, 0.5, 0.5, 0.5, 0.5]
+    assert gaps[-1] == hivemind_compat.GROUP_LOOKUP_INTERVAL_S
+    assert hivemind_compat.group_lookups_within(0.0) == 1  # the first goes at once
+    assert hivemind_compat.group_lookups_within(0.75) == 5  # at 0, 0.05, 0.15, 0.35, 0.75
+    # ten more seconds alone: twenty more lookups, no more
+    assert hivemind_compat.group_lookups_within(10.75) - hivemind_compat.group_lookups_within(0.75) == 20
