@@ -86,6 +86,17 @@ def make_outer_optimizer(global_params: Sequence[torch.Tensor], lr: float, momen
     return torch.optim.SGD(global_params, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
 
+def is_plain_or_nesterov_sgd(outer_optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``outer_optimizer`` is torch's SGD (not a subclass) with one param group, Nesterov or no momentum, and
+    no weight decay, dampening or maximize: the outer optimizer ``make_outer_optimizer`` builds, whose step is
+    ``m' = momentum * m + g``, ``p' = p - lr * (g + momentum * m')`` (or ``p' = p - lr * g``), linear in (p, m, g)."""
+    if type(outer_optimizer) is not torch.optim.SGD or len(outer_optimizer.param_groups) != 1:
+        return False
+    group = outer_optimizer.param_groups[0]
+    return (group["weight_decay"] == 0 and group["dampening"] == 0 and (group["nesterov"] or group["momentum"] == 0)
+            and not group.get("maximize", False))
+
+
 @torch.no_grad()
 def outer_step_(outer_optimizer: torch.optim.Optimizer, global_params: Sequence[torch.Tensor],
                 average: Sequence[torch.Tensor], params: Optional[Sequence[torch.Tensor]] = None) -> None:
