@@ -86,19 +86,66 @@ def make_outer_optimizer(global_params: Sequence[torch.Tensor], lr: float, momen
     return torch.optim.SGD(global_params, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
 
+def is_plain_or_nesterov_sgd(outer_optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``outer_optimizer`` is torch's SGD (not a subclass) with one param group, Nesterov or no momentum, and
+    no weight decay, dampening or maximize: the outer optimizer ``make_outer_optimizer`` builds, whose step is
+    ``m' = momentum * m + g``, ``p' = p - lr * (g + momentum * m')`` (or ``p' = p - lr * g``), linear in (p, m, g)."""
+    if type(outer_optimizer) is not torch.optim.SGD or len(outer_optimizer.param_groups) != 1:
+        return False
+    group = outer_optimizer.param_groups[0]
+    return (group["weight_decay"] == 0 and group["dampening"] == 0 and (group["nesterov"] or group["momentum"] == 0)
+            and not group.get("maximize", False))
+
+
 @torch.no_grad()
 def outer_step_(outer_optimizer: torch.optim.Optimizer, global_params: Sequence[torch.Tensor],
                 average: Sequence[torch.Tensor], params: Optional[Sequence[torch.Tensor]] = None) -> None:
     """Apply ``average`` (the group's pseudo-gradient, or this peer's own) as the gradient of the global parameters,
-    then copy them into ``params`` (the model's, in its own device and dtype)."""
-    for g, gradient in zip(global_params, average, strict=True):
-        g.grad = gradient
-    outer_optimizer.step()
-    for g in global_params:
-        g.grad = None
+    then copy them into ``params`` (the model's, in its own device and dtype).
+
+    ``average`` is scratch: afterwards it may hold the Nesterov update ``g + momentum * m'`` instead of ``g`` (as
+    torch's foreach SGD, the default on CUDA, leaves its gradients too); a caller that needs ``g`` after the step
+    passes a copy. The outer SGD ``make_outer_optimizer`` builds steps in place (``sgd_step_in_place_``), with the
+    bits of its ``step()``; any other optimizer steps through ``step()``, and so does an SGD that asks for torch's
+    fused kernel (bits of its own, and no temporary anyway) or holds its lr as a tensor."""
+    group = outer_optimizer.param_groups[0]
+    if (is_plain_or_nesterov_sgd(outer_optimizer) and not group.get("fused") and not group.get("differentiable")
+            and not isinstance(group["lr"], torch.Tensor)):
+        sgd_step_in_place_(outer_optimizer, global_params, average)
+    else:
+        for g, gradient in zip(global_params, average, strict=True):
+            g.grad = gradient
+        outer_optimizer.step()
+        for g in global_params:
+            g.grad = None
     if params is not None:
         for p, g in zip(params, global_params, strict=True):
             p.copy_(g)
+
+
+@torch.no_grad()
+def sgd_step_in_place_(outer_optimizer: torch.optim.SGD, global_params: Sequence[torch.Tensor],
+                       average: Sequence[torch.Tensor]) -> None:
+    """``outer_optimizer.step()`` with ``average`` as the gradients of ``global_params`` (tensors of its one param
+    group, of which ``is_plain_or_nesterov_sgd`` holds), the Nesterov update written into ``average``: torch's
+    single-tensor SGD allocates ``grad + momentum * m'`` anew for every tensor at every step (486 MB in all at the
+    124m model). This allocates nothing but the momentum buffers, at their first step. The same ops in the same
+    order as torch's single-tensor step (its foreach step runs them per tensor on CPU): the same bits. The buffers
+    live in the optimizer's state where torch keeps them (its SGD keeps no step count), so ``state_dict``,
+    ``load_state_dict`` and ``momentum_buffers`` see no difference. No device is assumed: it runs where the tensors
+    are."""
+    group = outer_optimizer.param_groups[0]
+    lr, momentum = group["lr"], group["momentum"]  # read at each step: an LR schedule rescales lr (scale_lrs)
+    for g, gradient in zip(global_params, average, strict=True):
+        if momentum != 0:
+            state = outer_optimizer.state[g]
+            buffer = state.get("momentum_buffer")
+            if buffer is None:  # torch's first step: the buffer is the gradient itself
+                buffer = state["momentum_buffer"] = gradient.clone()
+            else:
+                buffer.mul_(momentum).add_(gradient)
+            gradient.add_(buffer, alpha=momentum)
+        g.add_(gradient, alpha=-lr)
 
 
 @torch.no_grad()

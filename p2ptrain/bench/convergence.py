@@ -107,7 +107,7 @@ def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
             average = group_average(pending.pop(apply), [1.0] * len(models), codec, DEFAULT_PART_SIZE_BYTES,
                                     aggregation)
             fragment = [global_params[t] for t in indices]
-            outer_step_(outer, fragment, average)  # SGD steps only the tensors given a gradient
+            outer_step_(outer, fragment, average)  # steps only the fragment's tensors
             for model in models:
                 params = list(model.parameters())
                 merge_([params[t] for t in indices], fragment, alpha)

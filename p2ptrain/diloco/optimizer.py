@@ -37,6 +37,7 @@ from p2ptrain.diloco.state import StateSharing
 from p2ptrain.diloco.streaming import StreamingSync
 from p2ptrain.diloco.sync import BlockingSync
 from p2ptrain.fragments import FragmentPlan
+from p2ptrain.outer import is_plain_or_nesterov_sgd
 from p2ptrain.pace import Pace
 
 
@@ -391,10 +392,6 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 def _mixes_groups(target_group_size: Optional[int], streaming: bool, outer_optimizer: torch.optim.Optimizer) -> bool:
     """Whether this peer keeps the stepped-state buffers of mixing groups: it caps its groups (below the swarm's size
     several groups form each round), syncs all parameters at once (a fragment's round has no such path yet), and its
-    outer optimizer is SGD with plain or Nesterov momentum and no weight decay or dampening, whose step is linear in
-    (parameters, momentum, pseudo-gradient) (``outer.stepped_state_``)."""
-    if target_group_size is None or streaming or type(outer_optimizer) is not torch.optim.SGD:
-        return False
-    group = outer_optimizer.param_groups[0]
-    return (len(outer_optimizer.param_groups) == 1 and group["weight_decay"] == 0 and group["dampening"] == 0
-            and (group["nesterov"] or group["momentum"] == 0) and not group.get("maximize", False))
+    outer step is linear in (parameters, momentum, pseudo-gradient) (``outer.is_plain_or_nesterov_sgd``,
+    ``outer.stepped_state_``)."""
+    return target_group_size is not None and not streaming and is_plain_or_nesterov_sgd(outer_optimizer)

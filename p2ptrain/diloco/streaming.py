@@ -280,7 +280,7 @@ class StreamingSync:
             self.state.in_flight = None  # under the lock: a donor's snapshot sees the round in flight or applied
             self.state.apply_lr_schedules()
             globals_ = [self.state.global_params[i] for i in indices]
-            # SGD steps only the tensors given a gradient: this fragment's (the others' momentum stays as it is)
+            # the outer step takes this fragment's tensors only (the others' momentum stays as it is)
             outer_step_(self.state.outer_optimizer, globals_, [all_buffers[i] for i in indices])
             merge_([self.state.params[i] for i in indices], globals_, alpha)
             last = fragment == self.state.plan.fragments - 1
