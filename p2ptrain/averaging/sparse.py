@@ -37,6 +37,13 @@ at random, log2 C(4096, 128) / 128) is 6.4 bits, about 103 bytes; the Rice code 
 ``decode`` checks a peer's message before it touches anything: a size within the bounds, scales finite and
 non-negative, exactly one unary 1 bit per kept value with nothing but padding after the last, and every place
 inside its chunk (places ascend by construction, so they are unique). Anything else is a ``WireFormatError``.
+
+**Devices.** ``encode`` selects on the accumulator's own device (a GPU's when the outer step runs there): chunks,
+top-k, median split and codes are torch ops there, and so is what the message decodes to, which ``send_`` takes out
+of the accumulator in place. Only the kept places (2 bytes each), codes (1 byte) and, off the CPU, the kept
+magnitudes (4 bytes) cross to the host, which packs the bytes. Every device sends the CPU's bytes: the chunks where a
+tie straddles the top-k's cut are chosen again by the CPU's topk (``_top``), and the scales' sums, whose last bit
+depends on their order, are taken on the host (``_scales``).
 """
 
 from __future__ import annotations
@@ -133,16 +140,18 @@ def rice_bits(length: int, count: int) -> int:
     return max(0, ((length - count) // count).bit_length() - 1)
 
 
-def _chunks(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """(chunks, CHUNK) fp32 view-copy of one tensor's chunks; a short last chunk padded with NaN."""
+def _chunks_into_(out: torch.Tensor, tensor: torch.Tensor, layout: Layout) -> None:
+    """Write ``tensor``'s chunks into ``out`` (its rows of the (chunks, CHUNK) fp32 buffer, on the accumulator's
+    device); a short last chunk padded with NaN."""
     shape = tuple(tensor.shape)
     if layout.tiled(shape):
         rows, cols = shape
-        return tensor.reshape(rows // TILE, TILE, cols // TILE, TILE).permute(0, 2, 1, 3).reshape(-1, CHUNK).float()
-    flat = tensor.reshape(-1).float()
-    padded = torch.full((-(-flat.numel() // CHUNK) * CHUNK,), float("nan"))
-    padded[:flat.numel()] = flat
-    return padded.view(-1, CHUNK)
+        out.view(rows // TILE, cols // TILE, TILE, TILE).copy_(
+            tensor.reshape(rows // TILE, TILE, cols // TILE, TILE).permute(0, 2, 1, 3))
+    else:
+        flat = out.view(-1)
+        flat[:tensor.numel()].copy_(tensor.reshape(-1))
+        flat[tensor.numel():] = float("nan")
 
 
 def _unchunk_(out: torch.Tensor, chunks: torch.Tensor, layout: Layout) -> None:
@@ -154,34 +163,106 @@ def _unchunk_(out: torch.Tensor, chunks: torch.Tensor, layout: Layout) -> None:
         out.view(-1).copy_(chunks.reshape(-1)[:out.numel()])
 
 
+def _groups(counts: np.ndarray):
+    """The chunks of each distinct kept count (one topk each: all full chunks together), as (count, rows, where
+    the rows' values go in the flat arrays of kept values): slices where the rows are consecutive (no copy)."""
+    offsets = np.cumsum(counts) - counts
+    for count in np.unique(counts):
+        rows = np.flatnonzero(counts == count)
+        if not count:
+            continue
+        if rows[-1] - rows[0] + 1 == rows.size:
+            first = int(offsets[rows[0]])
+            yield int(count), slice(int(rows[0]), int(rows[-1]) + 1), slice(first, first + rows.size * int(count))
+        else:
+            yield int(count), rows, (offsets[rows][:, None] + np.arange(count)).reshape(-1)
+
+
+def _on(index, device: torch.device):
+    return index if isinstance(index, slice) else torch.from_numpy(index).to(device)
+
+
+def _is_cpu(device: torch.device) -> bool:
+    """Whether ``encode`` takes the CPU's path (the tests run the other one on the CPU too)."""
+    return device.type == "cpu"
+
+
+def _top(magnitude: torch.Tensor, count: int, recheck_ties: bool) -> torch.Tensor:
+    """The places of each row's ``count`` largest values, ascending. Where values tie at the cut, which of them are
+    kept is topk's choice, and the CPU's (an nth_element) and a GPU's (a radix select) may choose differently. With
+    ``recheck_ties`` (off the CPU), the rows where a tie straddles the cut (rare, but every row of a chunk of zeros)
+    are chosen again by the CPU's topk, so every device keeps the places the CPU keeps and sends the same bytes."""
+    top = torch.topk(magnitude, count, dim=1, sorted=False)
+    index = top.indices
+    if recheck_ties:
+        cut = top.values.min(dim=1, keepdim=True).values
+        tied = ((magnitude >= cut).sum(dim=1) > count).nonzero().view(-1)
+        if tied.numel():
+            index[tied] = torch.topk(magnitude[tied].cpu(), count, dim=1, sorted=False).indices.to(index.device)
+    return index.sort(dim=1).values
+
+
+def _scales(mag: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """(rows, 2) fp32: each row's mean kept magnitude at-or-below its median and above it (0 if none above; never
+    empty below: the median). Always on the CPU: a sum's last bit depends on its order, which is each device's own."""
+    return torch.stack([(mag * ~high).sum(dim=1) / (~high).sum(dim=1),
+                        (mag * high).sum(dim=1) / high.sum(dim=1).clamp(min=1)], dim=1)
+
+
 def encode(tensors: Sequence[torch.Tensor], layout: Layout) -> Tuple[bytes, List[torch.Tensor]]:
     """Pack the top-k of each chunk of ``tensors`` (the accumulator) in 2 bits. Returns the message and what it
-    decodes to (fp32, dense, zeros elsewhere): the sender subtracts the latter from its accumulator."""
+    decodes to (fp32, dense, zeros elsewhere, on the tensors' device): the sender subtracts the latter from its
+    accumulator.
+
+    The selection (chunks, top-k, median split, codes) and the decoded tensors stay on the tensors' device; the
+    kept places (int16), codes and, off the CPU, the kept magnitudes (for the scales' sums) come to the host, where
+    the bytes are packed. Any device gives the CPU's bytes and bits (``_top``, ``_scales``)."""
+    device = tensors[0].device if len(tensors) else torch.device("cpu")
     counts = np.asarray(layout.counts, dtype=np.int64)
-    all_chunks = [_chunks(t.detach(), layout) for t in tensors]
-    chunks = torch.cat(all_chunks) if all_chunks else torch.empty(0, CHUNK)
-    magnitude = chunks.abs().nan_to_num(nan=-1.0)  # padding is never kept
-    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) if len(counts) else counts
-    index = np.zeros(int(counts.sum()), dtype=np.int64)
-    code = np.zeros(int(counts.sum()), dtype=np.uint8)
-    scales = np.zeros((len(counts), 2), dtype=np.float32)
-    for count in np.unique(counts):  # one topk per distinct count: all full chunks together
-        rows = np.flatnonzero(counts == count)
-        if count == 0:
-            continue
-        rows_t = torch.from_numpy(rows)
-        idx = torch.topk(magnitude[rows_t], int(count), dim=1, sorted=False).indices.sort(dim=1).values
-        value = torch.gather(chunks[rows_t], 1, idx)
+    chunks = torch.empty(layout.num_chunks, CHUNK, device=device)
+    row = 0
+    for tensor, shape in zip(tensors, layout.shapes):
+        n = len(layout.chunk_lengths(shape))
+        _chunks_into_(chunks[row:row + n], tensor.detach(), layout)
+        row += n
+    magnitude = chunks.abs().nan_to_num_(nan=-1.0)  # padding is never kept
+    kept = int(counts.sum())
+    index = torch.empty(kept, dtype=torch.int16, device=device)  # a place in its chunk: below 4096
+    code = torch.empty(kept, dtype=torch.uint8, device=device)
+    on_cpu = _is_cpu(device)
+    kept_mag = None if on_cpu else torch.empty(kept, device=device)
+    scales = torch.zeros(layout.num_chunks, 2)
+    groups = list(_groups(counts))
+    for count, rows, at in groups:
+        select, at = _on(rows, device), _on(at, device)
+        idx = _top(magnitude[select], count, recheck_ties=not on_cpu)
+        # (rows, count): the kept values, gathered without copying the rows' chunks first
+        value = torch.gather(chunks[select], 1, idx) if isinstance(select, slice) else chunks[select[:, None], idx]
         mag = value.abs()
         high = mag > mag.median(dim=1, keepdim=True).values  # above the lower median: at most half are high
-        scales[rows, 0] = ((mag * ~high).sum(dim=1) / (~high).sum(dim=1)).numpy()  # never empty: the median
-        scales[rows, 1] = ((mag * high).sum(dim=1) / high.sum(dim=1).clamp(min=1)).numpy()  # 0 if none
-        at = (offsets[rows][:, None] + np.arange(count)[None, :]).reshape(-1)
-        index[at] = idx.numpy().reshape(-1)
-        code[at] = (((value < 0).to(torch.uint8) << 1) | high.to(torch.uint8)).numpy().reshape(-1)
-    scales = np.minimum(scales, np.float32(np.finfo(np.float16).max)).astype(np.float16)
-    message = _pack(scales, index, code, layout)
-    return message, decode(message, layout)
+        index[at] = idx.view(-1).to(torch.int16)
+        code[at] = (((value < 0).to(torch.uint8) << 1) | high.to(torch.uint8)).view(-1)
+        if on_cpu:
+            scales[rows] = _scales(mag, high)
+        else:
+            kept_mag[at] = mag.view(-1)
+    del magnitude
+    index_host, code_host = index.cpu(), code.cpu()
+    if not on_cpu:  # the same (rows, count) sums as on the CPU, in the CPU's order
+        kept_mag = kept_mag.cpu()
+        for count, rows, at in groups:
+            scales[rows] = _scales(kept_mag[at].view(-1, count), (code_host[at] & 1).bool().view(-1, count))
+    scales16 = np.minimum(scales.numpy(), np.float32(np.finfo(np.float16).max)).astype(np.float16)
+    if not np.isfinite(scales16).all():  # an inf or NaN in the accumulator: a message no peer would decode
+        raise WireFormatError("sparse message with a scale that is not finite and non-negative")
+    message = _pack(scales16, index_host.numpy().astype(np.int64), code_host.numpy(), layout)
+    # what the message decodes to (decode_entries' values, the same bits), built where the accumulator is
+    chunk_of = torch.repeat_interleave(torch.arange(layout.num_chunks, device=device),
+                                       torch.from_numpy(counts).to(device))
+    decoded = torch.from_numpy(scales16.astype(np.float32)).to(device)[chunk_of, (code & 1).long()]
+    dense = chunks.zero_()  # the chunks are no longer needed: their memory holds the decoded values
+    dense.view(-1)[chunk_of * CHUNK + index.long()] = torch.where((code & 2).bool(), -decoded, decoded)
+    return message, unchunk(dense, layout)
 
 
 def _pack(scales: np.ndarray, index: np.ndarray, code: np.ndarray, layout: Layout) -> bytes:
@@ -220,7 +301,7 @@ def unchunk(dense: torch.Tensor, layout: Layout) -> List[torch.Tensor]:
     out, row = [], 0
     for shape in layout.shapes:
         n = len(layout.chunk_lengths(shape))
-        tensor = torch.empty(shape)
+        tensor = torch.empty(shape, device=dense.device)
         _unchunk_(tensor, dense[row:row + n], layout)
         out.append(tensor)
         row += n
@@ -268,14 +349,15 @@ def decode_entries(message: bytes, layout: Layout) -> Tuple[torch.Tensor, torch.
 
 def accumulate_(accumulator: Sequence[torch.Tensor], pseudo_gradient: Sequence[torch.Tensor],
                 decay: float = DEFAULT_DECAY) -> None:
-    """e <- decay * e + g, in place."""
+    """e <- decay * e + g, in place, on the accumulator's device (``g`` is copied there if it is elsewhere, e.g. the
+    averager's host buffers)."""
     for e, g in zip(accumulator, pseudo_gradient):
-        e.mul_(decay).add_(g)
+        e.mul_(decay).add_(g.to(e.device, non_blocking=e.device.type != "cpu"))
 
 
 def send_(accumulator: Sequence[torch.Tensor], layout: Layout) -> Tuple[bytes, List[torch.Tensor]]:
     """This round's message from the accumulator, which keeps what the message did not carry."""
     message, carried = encode(accumulator, layout)
     for e, c in zip(accumulator, carried):
-        e.sub_(c)
+        e.sub_(c.to(e.device))
     return message, carried
