@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("transformers")  # the Llama pieces build a Hugging Face model
 
 
+@pytest.mark.slow  # 16-18 s on 2 cores (processes, a DHT, models): `make test-slow` (CI runs it)
 def test_the_smoke_run_measures_every_kind_of_piece_on_the_cpu(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_figures.py"), "--smoke", "--out",
                            str(tmp_path)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
