@@ -67,6 +67,8 @@ def run_bench(*, models: Sequence[str], peers: int, rates_mbit: Sequence[Optiona
         # more workers than cores share them: a step then takes peers/cores times longer than alone on a core
         share = max(1.0, peers / (os.cpu_count() or 1))
         for phase in phases_s:
+            # a step of the 124m model on one CPU core takes tens of seconds: say what the wait is for
+            echo(f"{model}: timing 5 inner steps on one core to pick H (--local-steps N skips this)")
             h = calibrate_local_steps(model, batch_size, phase / share)
             echo(f"{model}: H={h} makes an inner phase of about {phase:.0f}s with {peers} workers on "
                  f"{os.cpu_count()} cores")
