@@ -49,13 +49,15 @@ BYTES_PER_VALUE = {"none": 4, "fp16": 2, "bf16": 2, "int8": 1 + 4 / 1024}
 
 # ------------------------------------------------------------------------------------------- transport ceiling
 
-def _enter_namespace(namespace: Optional[str]) -> None:
-    """Move this process (before it opens any socket) into ``namespace``, a ``p2ptrain.bench.netns`` host; the p2pd
-    it starts inherits it. Python 3.11 has no ``os.setns``: libc's, through ctypes."""
-    if namespace is None:
+def _enter_namespace(net: dict, index: int) -> None:
+    """Move this process (before it opens any socket) into peer ``index``'s namespace, a ``p2ptrain.bench.netns``
+    host, if ``net`` names namespaces; the p2pd it starts inherits it. Python 3.11 has no ``os.setns``: libc's,
+    through ctypes."""
+    if not net.get("namespaces"):
         return
     import ctypes
 
+    namespace = net["namespaces"][index]
     clone_newnet = 0x40000000
     fd = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
     try:
@@ -71,7 +73,7 @@ def _host(args: dict, index: int) -> str:
 
 
 def _ceiling_peer(index: int, peers: int, megabytes: int, maddrs, barrier, results, net: dict) -> None:
-    _enter_namespace(net["namespaces"][index] if net.get("namespaces") else None)
+    _enter_namespace(net, index)
     from hivemind.p2p import P2P, PeerID
 
     async def main() -> None:
@@ -190,7 +192,7 @@ def _mlp(millions: float, width: int = 1024):
 
 
 def _sync_peer(index: int, args: dict, maddrs, barrier, results) -> None:
-    _enter_namespace(args["namespaces"][index] if args.get("namespaces") else None)
+    _enter_namespace(args, index)
     mp.set_start_method("fork", force=True)  # a spawned child inherits "spawn"; hivemind forks its averager
     import torch
 
@@ -298,7 +300,7 @@ def summarize(peers: List[dict], ceiling: Optional[float], skip_first: bool, rat
         non_wire_s=max(seconds - split["matchmaking"] - split["allreduce"], 0.0),
         allreduce_mb_s=rate, ceiling_mb_s=ceiling, of_ceiling=rate / ceiling if ceiling else None,
         bytes_moved=moved, bytes_sent=sent, butterfly_sent_bytes=bound, of_butterfly=sent / bound if bound else None,
-        # with a link rate: the butterfly's bytes per peer over it, the least a sync can take, and each phase against it
+        # with a link rate: the butterfly's bytes per peer over it, the least a sync can take
         rate_mbit=rate_mbit, bound_s=bound * 8 / (rate_mbit * 1e6) if rate_mbit and n > 1 else None,
         group_sizes=sorted({r["group_size"] for r in records}), digests_agree=agree,
         rss_before_mb=max(p["rss_before"] for p in peers) / 1e6,
