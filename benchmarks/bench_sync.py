@@ -34,6 +34,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import signal
 import statistics
 import sys
 import threading
@@ -192,6 +193,9 @@ def _mlp(millions: float, width: int = 1024):
 
 
 def _sync_peer(index: int, args: dict, maddrs, barrier, results) -> None:
+    # SIGTERM (gpu_figures.end_children, after a piece ran out of time) exits through the finally blocks below and
+    # multiprocessing's finalizers, which stop the DHT and averager and remove this process's /tmp/pymp-* folder
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     _enter_namespace(args, index)
     mp.set_start_method("fork", force=True)  # a spawned child inherits "spawn"; hivemind forks its averager
     import torch
