@@ -28,6 +28,7 @@ from typing import Any, Callable, Collection, Iterator, List, Optional, Tuple
 import psutil
 
 from p2ptrain.lifeline import remove_files
+from p2ptrain.lookup_pace import group_lookup_gaps
 
 SUPPORTED_HIVEMIND = "1.1.12"
 
@@ -93,6 +94,11 @@ TOUCH_POINTS: Tuple[TouchPoint, ...] = (
                "send a download request to the averager process, as hivemind's own step does"),
     TouchPoint(_AVERAGER, "_running_groups", "attribute", "averaging/averager.py",
                "hand the runner to the RPCs of a group that formed"),
+    TouchPoint(_AVERAGER, "_pending_groups_registered", "attribute", "averaging/averager.py",
+               "a part stream that comes before its group is registered waits for it (runner_for)"),
+    TouchPoint(_AVERAGER, "add_p2p_handlers", "method", "averaging/averager.py",
+               "the all-reduce's part stream is served beside the RPCs (part_stream.py)",
+               ("self", "p2p", "wrapper", "namespace", "balanced")),
     TouchPoint(_AVERAGER, "_inner_pipe", "attribute", "averaging/process.py",
                "its control pipe is read whole messages at a time (swarm/pipe.py)"),
     TouchPoint(_AVERAGER, "remove_p2p_handlers", "method", "averaging/averager.py",
@@ -136,8 +142,6 @@ TOUCH_POINTS: Tuple[TouchPoint, ...] = (
                "open until its sender hangs up (protocol 6)", ("self", "stream", "context")),
     TouchPoint(_RUNNER, "_handle_missing_senders", "method", "averaging/allreduce.py",
                "a member that sends nothing is left out after START_TIMEOUT_S, not sender_timeout", ("self",)),
-    TouchPoint(_RUNNER, "_get_peer_stub", "method", "averaging/allreduce.py", "count the bytes of each stream",
-               ("self", "peer")),
     TouchPoint(_RUNNER, "_generate_input_for_peer", "method", "averaging/allreduce.py",
                "stream our parts to a reducer, recording each one's commitment (audit.py)", ("self", "peer_index")),
     TouchPoint(_RUNNER, "_ban_sender", "method", "averaging/allreduce.py", "a sender whose part was refused",
@@ -181,30 +185,6 @@ def check_hivemind() -> None:
         raise RuntimeError(f"hivemind {hivemind.__version__} is not the one p2ptrain was written for "
                            f"({missing[0]}{f'; and {len(missing) - 1} more' if len(missing) > 1 else ''}); "
                            f"install it with: pip install hivemind=={SUPPORTED_HIVEMIND}")
-
-
-GROUP_LOOKUP_FIRST_GAP_S, GROUP_LOOKUP_INTERVAL_S = 0.05, 0.5
-"""a matchmaking step's gap between its first two DHT lookups of its group's declared leaders, and the most any
-later gap grows to (``group_lookup_gaps``)"""
-
-
-def group_lookup_gaps() -> Iterator[float]:
-    """The least gaps between one matchmaking step's lookups of its group's declared leaders: 0.05, 0.1, 0.2, 0.4,
-    then 0.5 s for good. Peers that reach the sync point together declare within tens of milliseconds of each other,
-    so a peer's first lookup often comes before the leader declared itself: with a flat 0.5 s gap such a round
-    waited 0.5 s for the second (3 peers at 100 Mbit/s: matchmaking 0.53-0.56 s in 9 of 15 syncs)."""
-    gap = GROUP_LOOKUP_FIRST_GAP_S
-    while True:
-        yield min(gap, GROUP_LOOKUP_INTERVAL_S)
-        gap *= 2
-
-
-def group_lookups_within(seconds: float) -> int:
-    """The most lookups ``group_lookup_gaps`` lets one matchmaking step make in ``seconds``."""
-    count, at, gaps = 1, 0.0, group_lookup_gaps()
-    while (at := at + next(gaps)) <= seconds:
-        count += 1
-    return count
 
 
 class SteeredMatchmaking:
@@ -313,6 +293,16 @@ def register_runner(averager: Any, group_id: bytes, runner: Any) -> None:
     """Hand a group's all-reduce runner to the RPCs that wait for it."""
     assert group_id in averager._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
     averager._running_groups[group_id].set_result(runner)
+
+
+async def runner_for(averager: Any, group_id: bytes) -> Any:
+    """The all-reduce runner of a group this averager is in (waiting until it is made), or None: hivemind's
+    ``rpc_aggregate_part`` lookup, for the part stream (part_stream.py). A member whose leader's answer is late may
+    hear from the others first: then it waits for the next group it registers."""
+    if group_id not in averager._running_groups:
+        await averager._pending_groups_registered.wait()
+    future = averager._running_groups.get(group_id)
+    return None if future is None else await future
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ Parts are encoded and decoded with the group's ``WireCodec`` (``averaging/compre
 with hivemind's codec registry, which has no room for the bf16 and int8 formats. A message that does not decode
 (``WireFormatError``) counts like any other bad part: its sender is excluded from the round, or its reducer failed.
 
-It also counts the payload bytes it sends and receives, and rejects a sender's part of the wrong shape, with a bad
+It also counts the bytes of its streams both ways (``part_stream.py``, protocol 10), and rejects a sender's part of the wrong shape, with a bad
 weight, or that fails the norm check (norm_check.py), instead of letting one peer poison the average; a sender rejects
 a reducer's average on the same grounds (that range counts as failed, the round is run again without it). Either way
 the peer goes to ``on_bad_peer`` (the averager bans it from its groups for a while).
@@ -35,7 +35,7 @@ import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.compression import CompressionInfo
-from hivemind.p2p import PeerID, StubBase
+from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import amap_in_executor, attach_event_on_finished
@@ -46,7 +46,8 @@ from p2ptrain.averaging.evidence import AverageSigner
 from p2ptrain.averaging.norm_check import NormCheck
 from p2ptrain.averaging.receipts import Receipts
 from p2ptrain.averaging.reducer import Reducer
-from p2ptrain.averaging.runner_io import CountingStub, TimedCodec, TimedEncoder, aiter_with_timeouts
+from p2ptrain.averaging.part_stream import open_part_stream
+from p2ptrain.averaging.runner_io import TimedCodec, TimedEncoder, aiter_with_timeouts
 from p2ptrain.clock import PhaseClock
 from p2ptrain.faults import kill_this_peer
 from p2ptrain.hivemind_compat import own_input_part, own_input_part_shapes
@@ -137,7 +138,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 answered += message.code == averaging_pb2.AVERAGED_PART
                 yield message
             if answered == self.tensor_part_reducer.num_parts:
-                # the sender's hang-up cancels this wait (hivemind's stream handler sees the end of its input)
+                # the sender's hang-up cancels this wait (serve_part_stream sees its stream end)
                 await asyncio.sleep(self.reducer_timeout or HANG_UP_TIMEOUT_S)
                 logger.warning(f"Sender {context.remote_id} did not hang up after taking every average of this "
                                "reducer's range; closing its stream")
@@ -192,9 +193,6 @@ class ExactAllReduceRunner(AllReduceRunner):
             part_index += 1
             yield message
 
-    def _get_peer_stub(self, peer: PeerID) -> StubBase:
-        return CountingStub(super()._get_peer_stub(peer), self)
-
     def _start_timeout(self) -> float:
         return min(self.sender_timeout or START_TIMEOUT_S, START_TIMEOUT_S)
 
@@ -241,7 +239,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         try:
             done_sending = asyncio.Event()
             inputs_aiter = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
-            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs_aiter)
+            stream = await open_part_stream(self._p2p, peer_id, self._prefix, self.group_id, inputs_aiter, self)
 
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
@@ -322,16 +320,15 @@ class ExactAllReduceRunner(AllReduceRunner):
             # what our receipt names, and what we show the group's auditors (audit.py): only if we sign receipts
             kept = (msg.tensor_part, commitment(msg.tensor_part)) if self._receipts.signer is not None else None
             try:
-                return self._timed.decode(msg.tensor_part), msg.weight, msg.ByteSize(), "", kept
+                return self._timed.decode(msg.tensor_part), msg.weight, "", kept
             except WireFormatError as e:  # a broken or hostile sender: reject it like any other bad part
-                return None, msg.weight, msg.ByteSize(), str(e), kept
+                return None, msg.weight, str(e), kept
 
         part_index = 0
         try:
-            async for tensor_part, weight, num_bytes, undecodable, kept in amap_in_executor(
+            async for tensor_part, weight, undecodable, kept in amap_in_executor(
                 _deserialize, stream, max_prefetch=self.tensor_part_container.prefetch
             ):
-                self.bytes_received += num_bytes  # counted here, in the event loop, not in the executor thread
                 if undecodable:
                     problem = f"part #{part_index}, which does not decode: {undecodable}"
                 else:
@@ -354,7 +351,6 @@ class ExactAllReduceRunner(AllReduceRunner):
                 reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized,
                                                     peer_id=self._receipts.signatures.get(part_index, b""))
                 part_index += 1
-                self.bytes_sent += reply.ByteSize()
                 yield reply
                 self._parts_answered += 1
                 if self._die_after_parts is not None and self._parts_answered >= self._die_after_parts:

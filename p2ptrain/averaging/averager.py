@@ -27,10 +27,11 @@ from p2ptrain.averaging.allreduce import ExactAllReduceRunner
 from p2ptrain.averaging.admission import Admission
 from p2ptrain.averaging.audit import AUDIT_PARTS, Audits
 from p2ptrain.averaging.bans import Bans
-from p2ptrain.averaging.butterfly import average_into, round_result
+from p2ptrain.averaging.butterfly import run_butterfly
 from p2ptrain.averaging.compression import SPARSE, WireCodec, get_compression
 from p2ptrain.averaging.context import AveragerContext
 from p2ptrain.averaging.evidence import BAN_S, Evidence
+from p2ptrain.averaging.part_stream import handler_name, serve_part_stream
 from p2ptrain.averaging.plan import RoundReport, SharedRoundPlan
 from p2ptrain.averaging.process import enter_averager_process, remove_replica_socket
 from p2ptrain.averaging.robust import check_aggregation, weight_cap
@@ -211,10 +212,15 @@ class PseudoGradientAverager(DecentralizedAverager):
         finally:
             remove_replica_socket(self)
 
+    async def add_p2p_handlers(self, p2p, *args, **kwargs) -> None:
+        await super().add_p2p_handlers(p2p, *args, **kwargs)  # the rpc_* below; the all-reduce's parts on a stream
+        await p2p.add_binary_stream_handler(handler_name(self.prefix), partial(serve_part_stream, self))  # of theirs
+
     async def remove_p2p_handlers(self, p2p, *args, **kwargs) -> None:
         # at shutdown: a p2pd that died with the DHT process (DHTWatch: the peer is leaving for that) holds no
         # handler of ours any more, and hivemind would end the averager's thread with a traceback
         try:
+            await p2p.remove_binary_stream_handler(handler_name(self.prefix))
             await super().remove_p2p_handlers(p2p, *args, **kwargs)
         except (ConnectionError, OSError) as e:
             logger.debug(f"could not remove the averager's handlers, p2pd is gone: {e!r}")
@@ -251,6 +257,11 @@ class PseudoGradientAverager(DecentralizedAverager):
             return
         async for response in super().rpc_join_group(request, context):
             yield response
+
+    async def rpc_aggregate_part(self, _stream: AsyncIterator[averaging_pb2.AveragingData],
+                                 _context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Parts over hivemind's protobuf stream (protocol 9 and older): refused; since 10 they have their own."""
+        yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
 
     async def rpc_audit_input(self, request: p2ptrain_pb2.AuditRequest,
                               context: P2PContext) -> p2ptrain_pb2.AuditInput:
@@ -369,30 +380,4 @@ class PseudoGradientAverager(DecentralizedAverager):
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: Optional[bytes] = None,
         norm_scale: float = 1.0, **kwargs
     ) -> RoundResult:
-        group_id = group_info.group_id if group_id is None else group_id
-        runner = self.runner_type(
-            p2p=p2p_of(self), servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
-            ordered_peer_ids=group_info.peer_ids,
-            max_norm_ratio=None if self.max_norm_ratio is None else self.max_norm_ratio * norm_scale,
-            on_bad_peer=self.ban, aggregation=self.aggregation, signer=self.evidence.signer,
-            on_bad_average=partial(self.evidence.report_bad_average, group_id),
-            # a private swarm's reducers all sign receipts (start_dht gives each an identity): one that does not
-            # could not be audited. Mixing groups (deviation_scale) average states in fp32: not audited
-            require_receipts=self.evidence.signer is not None and self.auth.private,
-            audit_parts=0 if self.evidence.signer is None or "deviation_scale" in kwargs else self.auditor.parts,
-            **kwargs,
-        )
-        register_runner(self, group_id, runner)
-        if self.evidence.signer is not None:
-            self.auditor.keep(group_id, group_info.peer_ids, runner.kept_inputs)
-        self.evidence.own_rms_last = runner._own_rms or self.evidence.own_rms_last  # what evidence is judged against
-
-        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
-            async for _ in runner:
-                raise ValueError("aux peers should not receive averaged tensors")
-        else:
-            # collect first, write after: a round that fails half-way must leave the local tensors as they were
-            await average_into(runner, tensors, self.report.record_failed)
-            self.last_updated = time.time()
-            self.auditor.start(group_id, runner.audit_targets, runner._codec)
-        return round_result(runner, len(group_info.peer_ids))
+        return await run_butterfly(self, tensors, group_info, group_id, norm_scale, **kwargs)  # butterfly.py

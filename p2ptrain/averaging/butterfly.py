@@ -1,12 +1,16 @@
-"""A butterfly round's end on one peer: every average collected first, the tensors written after, and only when the
-whole vector came back averaged and finite (a failed round leaves them as they were, so a retry never averages a
-half-averaged vector)."""
+"""A butterfly round on one peer: its runner made and registered for the part streams, every average collected first,
+the tensors written after, and only when the whole vector came back averaged and finite (a failed round leaves them as
+they were, so a retry never averages a half-averaged vector)."""
 
 from __future__ import annotations
 
-from typing import Callable, List, Sequence
+import time
+from functools import partial
+from typing import Callable, List, Optional, Sequence
 
 import torch
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import as_aiter, azip
@@ -14,6 +18,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 from p2ptrain.averaging.allreduce import ExactAllReduceRunner
 from p2ptrain.averaging.round import SERVE_SENDERS_TIMEOUT_S, IncompleteRoundError, RoundResult
 from p2ptrain.finite import all_finite
+from p2ptrain.hivemind_compat import p2p_of, register_runner
 
 logger = get_logger(__name__)
 
@@ -54,3 +59,36 @@ def round_result(runner: ExactAllReduceRunner, group_size: int) -> RoundResult:
         failed_fraction=container.failed_size / max(container.total_size, 1),
         phases=dict(runner.clock.seconds),
     )
+
+
+async def run_butterfly(averager, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: Optional[bytes],
+                        norm_scale: float, **kwargs) -> RoundResult:
+    """One butterfly round of ``averager`` (a ``PseudoGradientAverager``, averager process) over ``tensors``: its
+    runner, registered for the part streams, with the averager's checks, signer and audits."""
+    group_id = group_info.group_id if group_id is None else group_id
+    runner = averager.runner_type(
+        p2p=p2p_of(averager), servicer_type=type(averager), prefix=averager.prefix, tensors=tensors,
+        group_id=group_id, ordered_peer_ids=group_info.peer_ids,
+        max_norm_ratio=None if averager.max_norm_ratio is None else averager.max_norm_ratio * norm_scale,
+        on_bad_peer=averager.ban, aggregation=averager.aggregation, signer=averager.evidence.signer,
+        on_bad_average=partial(averager.evidence.report_bad_average, group_id),
+        # a private swarm's reducers all sign receipts (start_dht gives each an identity): one that does not
+        # could not be audited. Mixing groups (deviation_scale) average states in fp32: not audited
+        require_receipts=averager.evidence.signer is not None and averager.auth.private,
+        audit_parts=0 if averager.evidence.signer is None or "deviation_scale" in kwargs else averager.auditor.parts,
+        **kwargs,
+    )
+    register_runner(averager, group_id, runner)
+    if averager.evidence.signer is not None:
+        averager.auditor.keep(group_id, group_info.peer_ids, runner.kept_inputs)
+    averager.evidence.own_rms_last = runner._own_rms or averager.evidence.own_rms_last  # evidence is judged by it
+
+    if runner.modes[group_info.peer_ids.index(averager.peer_id)] == AveragingMode.AUX:
+        async for _ in runner:
+            raise ValueError("aux peers should not receive averaged tensors")
+    else:
+        # collect first, write after: a round that fails half-way must leave the local tensors as they were
+        await average_into(runner, tensors, averager.report.record_failed)
+        averager.last_updated = time.time()
+        averager.auditor.start(group_id, runner.audit_targets, runner._codec)
+    return round_result(runner, len(group_info.peer_ids))

@@ -1,15 +1,14 @@
-"""What ``ExactAllReduceRunner`` wraps around hivemind's plumbing: its stubs count bytes, its codec calls count time
-(``PhaseClock``), and a reducer's first answer has a timeout of its own."""
+"""What ``ExactAllReduceRunner`` wraps around hivemind's plumbing: its codec calls count time (``PhaseClock``), and a
+reducer's first answer has a timeout of its own."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Optional
+from typing import Optional
 
 import torch
 from hivemind.compression import CompressionInfo
-from hivemind.p2p import StubBase
-from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.proto import runtime_pb2
 
 from p2ptrain.averaging.compression import WireCodec
 from p2ptrain.clock import PhaseClock
@@ -26,28 +25,6 @@ async def aiter_with_timeouts(iterable, first_s: Optional[float], next_s: Option
             break
         yield item
         timeout = next_s
-
-
-class CountingStub:
-    """Wraps a peer stub so that the bytes of ``rpc_aggregate_part`` in both directions are counted (in the
-    runner's ``bytes_sent`` and ``bytes_received``)."""
-
-    def __init__(self, stub: StubBase, runner) -> None:
-        self._stub, self._runner = stub, runner
-
-    async def rpc_aggregate_part(self, requests: AsyncIterator[averaging_pb2.AveragingData], *args, **kwargs):
-        stream = await self._stub.rpc_aggregate_part(self._count_sent(requests), *args, **kwargs)
-        return self._count_received(stream)
-
-    async def _count_sent(self, requests):
-        async for msg in requests:
-            self._runner.bytes_sent += msg.ByteSize()
-            yield msg
-
-    async def _count_received(self, stream):
-        async for msg in stream:
-            self._runner.bytes_received += msg.ByteSize()
-            yield msg
 
 
 class TimedEncoder:

@@ -1,7 +1,8 @@
 """A private swarm of two honest DiLoCo peers against a rogue peer written with plain hivemind.
 
 The rogue does not go through p2ptrain's averaging code: it is a hivemind ``DHT`` and ``DecentralizedAverager``
-(hivemind's own all-reduce and codecs) plus raw calls to the honest peers' RPCs. Without the swarm key it tries to
+(hivemind's own all-reduce and codecs, its parts framed for the honest peers' part stream) plus raw calls to the
+honest peers' RPCs. Without the swarm key it tries to
 write records, fetch the state, join a group and send a part; with the key (it then also implements the record
 format, security.py) it averages NaN, Inf, huge or wrong-shaped tensors. The honest peers' parameters must end
 exactly where two honest peers alone end.
@@ -24,15 +25,19 @@ import hivemind
 import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.compression import Float16Compression
 from hivemind.p2p import P2P
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import as_aiter, azip
 
 from p2ptrain import DiLoCoOptimizer
+from p2ptrain.averaging import part_stream
 from p2ptrain.averaging.allreduce import ExactAllReduceRunner
 from p2ptrain.averaging.averager import PseudoGradientAverager as P2PTrainAverager
 from p2ptrain.averaging.audit import MAX_PROOF_BYTES, Audits
+from p2ptrain.averaging.part_stream import open_part_stream
 from p2ptrain.averaging.reducer import Reducer
 from p2ptrain.proto import p2ptrain_pb2
 from p2ptrain.security import PeerSignatureValidator, SwarmAuth, SwarmKeyValidator, generate_swarm_key, load_identity
@@ -51,8 +56,45 @@ OUTER = partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 SERVICER = "PseudoGradientAverager"  # the class whose RPCs the honest peers serve (hivemind names handlers by it)
 
 
+class PartStreamStub:
+    """What hivemind's runner calls ``rpc_aggregate_part`` on, sending over the honest peers' part stream: since
+    protocol 10 they take parts only there (p2ptrain's framing; hivemind's all-reduce and codecs make the parts)."""
+
+    def __init__(self, runner: "RogueRunner", peer) -> None:
+        self._runner, self._peer = runner, peer
+
+    async def rpc_aggregate_part(self, requests):
+        runner = self._runner
+        return await open_part_stream(runner._p2p, self._peer, runner._prefix, runner.group_id, requests, runner)
+
+
+class RogueRunner(AllReduceRunner):
+    bytes_sent = bytes_received = 0  # what the part stream counts
+
+    def _get_peer_stub(self, peer):
+        return PartStreamStub(self, peer)
+
+
 class PseudoGradientAverager(DecentralizedAverager):
-    """The rogue's averager: hivemind's, under the name hivemind's RPC handles carry on the honest peers."""
+    """The rogue's averager: hivemind's, under the name hivemind's RPC handles carry on the honest peers, with its
+    all-reduce's parts on the part stream (part_stream.py) both ways."""
+
+    async def add_p2p_handlers(self, p2p, *args, **kwargs) -> None:
+        await super().add_p2p_handlers(p2p, *args, **kwargs)
+        await p2p.add_binary_stream_handler(part_stream.handler_name(self.prefix),
+                                            partial(part_stream.serve_part_stream, self))
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        """hivemind's (1.1.12), with ``RogueRunner``."""
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = RogueRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
+                             group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
+            async for tensor, update in azip(as_aiter(*tensors), runner):
+                tensor.add_(update, alpha=self._averaging_alpha)
+                self.last_updated = get_dht_time()
+                self._state_updated.set()
 
 
 def make_model() -> torch.nn.Module:
@@ -218,6 +260,10 @@ def assert_same_as_alone(params, histories, alone, *, rogue_group_sizes=(2,)):
         assert all(r.group_size in rogue_group_sizes for r in history), history
 
 
+class ByteCount:
+    bytes_sent = bytes_received = 0
+
+
 async def codes_until_hung_up(stream) -> list:
     """The codes an honest peer answered a request with. It answers and hangs up; when that happens before the
     rogue's end-of-stream marker is written, hivemind's writing task raises BrokenPipeError after the answers (CI
@@ -249,11 +295,13 @@ def test_a_peer_without_the_key_is_refused_everything(swarm_key, alone, capfd, l
             stream = await p2p.iterate_protobuf_handler(
                 honest[0], f"{PREFIX}::{SERVICER}.rpc_join_group", request, averaging_pb2.MessageFromLeader)
             outcome["join"] = await codes_until_hung_up(stream)
-            # 2. send a part of an all-reduce
+            # 2. send a part of an all-reduce: on the part stream (protocol 10), and over hivemind's protobuf RPC
             part = averaging_pb2.AveragingData(group_id=b"x" * 20, weight=1.0, tensor_part=runtime_pb2.Tensor())
+            stream = await open_part_stream(p2p, honest[1], PREFIX, b"x" * 20, as_aiter(part), ByteCount())
+            outcome["part"] = await codes_until_hung_up(stream)
             stream = await p2p.iterate_protobuf_handler(
                 honest[1], f"{PREFIX}::{SERVICER}.rpc_aggregate_part", part, averaging_pb2.AveragingData)
-            outcome["part"] = await codes_until_hung_up(stream)
+            outcome["part_rpc"] = await codes_until_hung_up(stream)
             # 3. fetch the model: p2ptrain's chunked state transfer, and hivemind's own download
             outcome["info"] = await p2p.call_protobuf_handler(
                 honest[0], f"{PREFIX}::{SERVICER}.rpc_state_info", p2ptrain_pb2.StateInfoRequest(),
@@ -277,6 +325,19 @@ def test_a_peer_without_the_key_is_refused_everything(swarm_key, alone, capfd, l
                 pass  # hung up on us
             outcome["hung_up_after_s"] = time.monotonic() - started
             writer.close()
+            # ... and on the part stream: a hello with a 65,535-byte group id, then a 1 TiB frame
+            _, reader, writer = await p2p.call_binary_stream_handler(honest[1], part_stream.handler_name(PREFIX))
+            started = time.monotonic()
+            try:
+                writer.write(part_stream.HELLO.pack(part_stream.MAGIC, part_stream.STREAM_VERSION, 65535)
+                             + part_stream.FRAME.pack(part_stream.MESSAGE, 0, 2**32 - 1) + bytes(2**20))
+                await writer.drain()
+                while await asyncio.wait_for(reader.read(2**16), 10):
+                    pass
+            except (ConnectionResetError, BrokenPipeError):
+                pass
+            outcome["stream_hung_up_after_s"] = time.monotonic() - started
+            writer.close()
 
         asyncio.run(asyncio.wait_for(attacks(), 30))
         # 4. write records: its own progress, and one over an honest peer's
@@ -293,6 +354,8 @@ def test_a_peer_without_the_key_is_refused_everything(swarm_key, alone, capfd, l
             stop_dht(dht)
     assert outcome["join"] == [averaging_pb2.PROTOCOL_VIOLATION]
     assert outcome["part"] == [averaging_pb2.BAD_GROUP_ID]
+    assert outcome["part_rpc"] == [averaging_pb2.PROTOCOL_VIOLATION]  # protocol 9's way in is closed
+    assert outcome["stream_hung_up_after_s"] < 10
     assert not outcome["info"].available and not outcome["chunk"].available and outcome["download"] == []
     assert outcome["hung_up_after_s"] < 10
     assert sorted(r.peer_id for r in outcome["records"]) == sorted(d.peer_id.to_base58() for d in dhts)
@@ -304,6 +367,7 @@ def test_a_peer_without_the_key_is_refused_everything(swarm_key, alone, capfd, l
     assert f"refused peer {rogue_id}'s request to join our group: it does not hold this swarm's key" in logs
     assert f"refused peer {rogue_id} our state: it does not hold the swarm key" in logs
     assert "refused a DHT record not tagged with this peer's swarm key" in logs
+    assert f"refused peer {rogue_id}'s all-reduce stream: its hello announces a 65535-byte group id" in logs
 
 
 POISONS = {

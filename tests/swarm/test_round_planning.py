@@ -387,7 +387,7 @@ def test_a_peer_alone_in_matchmaking_looks_the_group_up_a_few_times_a_second_not
     from hivemind.utils import get_dht_time
 
     from p2ptrain.averaging.averager import PseudoGradientAverager
-    from p2ptrain.hivemind_compat import group_lookups_within
+    from p2ptrain.lookup_pace import group_lookups_within
 
     nodes = dhts(2)
     averager = PseudoGradientAverager([torch.zeros(16)], nodes[1], prefix="lone_lookups", compression="fp16",

@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from p2ptrain import hivemind_compat
+from p2ptrain import hivemind_compat, lookup_pace
 from p2ptrain.hivemind_compat import TOUCH_POINTS, TouchPoint, check_hivemind, missing_touch_points
 
 
@@ -96,10 +96,10 @@ def test_group_lookups_start_quick_and_settle_at_two_a_second():
     that declared a few milliseconds after their first look) and then at most every GROUP_LOOKUP_INTERVAL_S."""
     from itertools import islice
 
-    gaps = list(islice(hivemind_compat.group_lookup_gaps(), 8))
+    gaps = list(islice(lookup_pace.group_lookup_gaps(), 8))
     assert gaps == [0.05, 0.1, 0.2, 0.4, 0.5, 0.5, 0.5, 0.5]
-    assert gaps[-1] == hivemind_compat.GROUP_LOOKUP_INTERVAL_S
-    assert hivemind_compat.group_lookups_within(0.0) == 1  # the first goes at once
-    assert hivemind_compat.group_lookups_within(0.75) == 5  # at 0, 0.05, 0.15, 0.35, 0.75
+    assert gaps[-1] == lookup_pace.GROUP_LOOKUP_INTERVAL_S
+    assert lookup_pace.group_lookups_within(0.0) == 1  # the first goes at once
+    assert lookup_pace.group_lookups_within(0.75) == 5  # at 0, 0.05, 0.15, 0.35, 0.75
     # ten more seconds alone: twenty more lookups, no more
-    assert hivemind_compat.group_lookups_within(10.75) - hivemind_compat.group_lookups_within(0.75) == 20
+    assert lookup_pace.group_lookups_within(10.75) - lookup_pace.group_lookups_within(0.75) == 20

@@ -1,0 +1,89 @@
+"""The all-reduce's part stream (part_stream.py, protocol 10): its bytes, and what a reader refuses before reading.
+The streams between real peers are exercised by every swarm test that averages (tests/swarm)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hivemind.proto import averaging_pb2, runtime_pb2
+
+from p2ptrain.averaging import part_stream
+from p2ptrain.averaging.part_stream import (END, ERROR, FRAME, MESSAGE, PartStreamError, frame, hello, message_frame,
+                                            message_of, read_frame, read_hello)
+from p2ptrain.security import MAX_STREAM_MESSAGE_BYTES
+
+
+def read(function, data: bytes, eof: bool = True):
+    """``function`` (read_frame or read_hello) over a stream that holds ``data`` (and then ends, with ``eof``)."""
+
+    async def reading():
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        if eof:
+            reader.feed_eof()
+        return await asyncio.wait_for(function(reader), 5)  # a reader that waits for more bytes fails here
+
+    return asyncio.run(reading())
+
+
+def a_part(**fields) -> averaging_pb2.AveragingData:
+    tensor = runtime_pb2.Tensor(buffer=bytes(range(8)), size=[2, 2], dtype="float16", compression=1)
+    return averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"g" * 4, weight=2.5,
+                                       tensor_part=tensor, **fields)
+
+
+def test_the_bytes_of_a_hello_and_a_frame_stay_the_same():
+    """A deliberate change of these bytes is a new protocol version (averaging/round.py's PROTOCOL_VERSION)."""
+    assert hello(b"gid") == b"p2ptpart" + (10).to_bytes(2, "little") + (3).to_bytes(2, "little") + b"gid"
+    head, payload = message_frame(a_part())
+    assert payload == bytes(range(8))
+    meta = head[FRAME.size:]
+    assert head[:FRAME.size] == bytes([MESSAGE]) + len(meta).to_bytes(4, "little") + (8).to_bytes(4, "little")
+    # the meta is the message without its tensor's bytes: code, group id, shape, dtype, codec, weight
+    assert meta.hex() == "0804120467676767220f120202022207666c6f617431362801290000000000000440"
+    parsed = averaging_pb2.AveragingData.FromString(meta)
+    assert parsed.tensor_part.buffer == b"" and list(parsed.tensor_part.size) == [2, 2]
+    assert (parsed.code, parsed.group_id, parsed.weight) == (averaging_pb2.PART_FOR_AVERAGING, b"gggg", 2.5)
+    assert frame(END) == (bytes([END, 0, 0, 0, 0, 0, 0, 0, 0]), b"")
+
+
+def test_a_message_comes_back_whole_through_a_frame():
+    message = a_part(peer_id=b"signature")
+    head, payload = message_frame(message)
+    kind, meta, body = read(read_frame, head + payload)
+    assert kind == MESSAGE and message_of(meta, body) == message
+    # an answer with no tensor (BAD_GROUP_ID) stays one
+    bare = averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+    kind, meta, body = read(read_frame, b"".join(message_frame(bare)))
+    assert message_of(meta, body) == bare and not message_of(meta, body).HasField("tensor_part")
+
+
+def test_a_hello_of_another_version_or_kind_is_refused_in_words():
+    assert read(read_hello, hello(b"group")) == b"group"
+    with pytest.raises(PartStreamError, match="stream version 9, this peer 10: run the same p2ptrain version"):
+        read(read_hello, hello(b"group", version=9))
+    with pytest.raises(PartStreamError, match="does not start with p2ptrain's all-reduce hello"):
+        read(read_hello, b"\x01" + bytes(100))
+    with pytest.raises(PartStreamError, match="60000-byte group id"):
+        read(read_hello, part_stream.HELLO.pack(part_stream.MAGIC, 10, 60000))
+
+
+@pytest.mark.parametrize("header, problem", [
+    (FRAME.pack(MESSAGE, 0, MAX_STREAM_MESSAGE_BYTES + 1), "the limits are"),
+    (FRAME.pack(MESSAGE, (1 << 20) + 1, 0), "the limits are"),
+    (FRAME.pack(7, 0, 0), "unknown kind 7"),
+])
+def test_a_frame_too_large_or_of_no_known_kind_is_refused_before_its_bytes_are_read(header, problem):
+    with pytest.raises(PartStreamError, match=problem):
+        read(read_frame, header, eof=False)  # no more bytes: one that waited for the announced ones would time out
+
+
+def test_meta_that_does_not_parse_is_a_stream_error():
+    with pytest.raises(PartStreamError, match="do not parse"):
+        message_of(b"\xff\xff\xff", b"")
+
+
+def test_an_error_frame_carries_its_reason():
+    head, payload = frame(ERROR, "no such group".encode())
+    assert read(read_frame, head + payload) == (ERROR, b"no such group", b"")
