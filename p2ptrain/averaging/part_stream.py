@@ -48,7 +48,7 @@ MAX_META_BYTES = 1 << 20
 """an answer's meta carries the reducer's signature and receipt: about 600 bytes plus 49 per sender"""
 MAX_GROUP_ID_BYTES = 1024
 LINGER_S = 5.0
-"""how long a reducer that refused a stream (or answered all it will) waits for the sender to hang up"""
+"""how long a reducer that refused a stream (BAD_GROUP_ID) waits for its sender to hang up"""
 WRITE_BUFFER_BYTES = 4 << 20
 """how many bytes of frames a writer queues before it waits for the socket: several parts in flight per stream"""
 
@@ -240,9 +240,8 @@ async def serve_part_stream(averager, stream_info, reader: asyncio.StreamReader,
             while True:
                 receiving = asyncio.create_task(read_frame(reader))
                 await asyncio.wait({answering, receiving}, return_when=asyncio.FIRST_COMPLETED)
-                if answering.done():  # the runner refused the sender, or answered it and was then cancelled
-                    receiving.cancel()
-                    await _answer_and_linger(reader, writer)
+                if answering.done():  # the runner is through with this sender (refused, or left it out): hang up,
+                    receiving.cancel()  # so that a sender waiting for averages fails this reducer at once
                     return
                 try:
                     kind, meta, payload = await receiving
