@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import struct
 from contextlib import closing
-from typing import AsyncIterator, Tuple
+from typing import AsyncIterator, Protocol, Tuple
 
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
@@ -131,8 +131,8 @@ def message_of(meta: bytes, payload: bytes) -> averaging_pb2.AveragingData:
     return message
 
 
-class ByteCounter:
-    """Bytes on the streams of one round, both ways (the runner's ``bytes_sent`` and ``bytes_received``)."""
+class ByteCounter(Protocol):
+    """Where a stream adds the bytes it moves, both ways (a runner: its ``bytes_sent`` and ``bytes_received``)."""
 
     bytes_sent: int
     bytes_received: int
@@ -211,8 +211,7 @@ async def serve_part_stream(averager, stream_info, reader: asyncio.StreamReader,
             write_frame(writer, *message_frame(averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)))
             await _answer_and_linger(reader, writer)
             return
-        counter: ByteCounter = runner
-        counter.bytes_received += HELLO.size + len(group_id)
+        runner.bytes_received += HELLO.size + len(group_id)
         context = P2PContext(handle_name=handler_name(averager.prefix), local_id=averager.peer_id, remote_id=remote_id)
         requests: asyncio.Queue = asyncio.Queue(max_prefetch)
 
@@ -226,7 +225,7 @@ async def serve_part_stream(averager, stream_info, reader: asyncio.StreamReader,
         async def answer() -> None:
             try:
                 async for response in runner.rpc_aggregate_part(read_requests(), context):
-                    counter.bytes_sent += write_frame(writer, *message_frame(response))
+                    runner.bytes_sent += write_frame(writer, *message_frame(response))
                     await writer.drain()
             except (ConnectionError, OSError):
                 logger.debug("the sender's stream broke while this reducer answered it", exc_info=True)
@@ -250,7 +249,7 @@ async def serve_part_stream(averager, stream_info, reader: asyncio.StreamReader,
                 except PartStreamError as e:
                     refused(str(e))
                     return
-                counter.bytes_received += FRAME.size + len(meta) + len(payload)
+                runner.bytes_received += FRAME.size + len(meta) + len(payload)
                 if kind == END:
                     await requests.put(None)
                     continue
@@ -262,9 +261,7 @@ async def serve_part_stream(averager, stream_info, reader: asyncio.StreamReader,
                 except PartStreamError as e:
                     refused(str(e))
                     return
-                if message.code == averaging_pb2.PART_FOR_AVERAGING and not message.group_id:
-                    message.group_id = group_id  # the hello named it: hivemind's checks read it off the first part
-                await requests.put(message)
+                await requests.put(message)  # the first carries the group id too: hivemind's checks read it there
         finally:
             answering.cancel()
 
