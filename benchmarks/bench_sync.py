@@ -129,8 +129,7 @@ def transport_ceiling(peers: int, megabytes: int = 256, net: Optional[dict] = No
                                                           results, net or {})) for i in range(peers)]
         for p in procs:
             p.start()
-        for p in procs:
-            p.join(300)
+        join_peers(procs, barrier, timeout_s=300)
         if len(results) != peers:
             raise RuntimeError("the transport ceiling measurement failed (a peer process died)")
         return statistics.mean(results.values())
@@ -263,6 +262,19 @@ def _sync_peer(index: int, args: dict, maddrs, barrier, results) -> None:
         stop_dht(dht)
 
 
+def join_peers(procs, barrier, timeout_s: Optional[float] = None) -> None:
+    """Wait for the peer processes to end. One that fails breaks the barrier: the others were waiting there for it
+    (before a sync, or before the ceiling's streams), and leave through their ``BrokenBarrierError`` and finally
+    blocks instead of hanging until someone kills them (which left their /tmp files behind)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while any(p.is_alive() for p in procs) and (deadline is None or time.monotonic() < deadline):
+        if any(p.exitcode not in (None, 0) for p in procs):
+            barrier.abort()
+        time.sleep(0.2)
+    for p in procs:
+        p.join(0 if deadline is not None else None)
+
+
 def run_syncs(args: dict) -> List[dict]:
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
@@ -272,8 +284,7 @@ def run_syncs(args: dict) -> List[dict]:
                  for i in range(args["peers"])]
         for p in procs:
             p.start()
-        for p in procs:
-            p.join()
+        join_peers(procs, barrier)
         if len(results) != args["peers"]:
             raise RuntimeError("a sync peer died; see its log above")
         return [results[i] for i in range(args["peers"])]
