@@ -117,7 +117,10 @@ def test_a_library_script_leaves_no_process_or_socket(tmp_path: Path, ending: st
         time.sleep(0.2)
     output = proc.stdout.read()
     assert proc.returncode == 0 and "outer steps 2" in output, output
-    assert {"torch_shm_manager", "p2pd"} <= set(names.values()), names  # what this test is about did run
+    # what this test is about did run. Names compared as the kernel keeps them (15 characters): psutil widens a cut
+    # name from the command line, but not when that is unreadable, as for a process just exiting (seen once:
+    # 'torch_shm_manag')
+    assert {"torch_shm_manager"[:15], "p2pd"} <= {name[:15] for name in names.values()}, names
 
     # the shared-memory manager leaves 2 s after its last client; the rest follow their parent within a second
     _, alive = psutil.wait_procs(list(seen.values()), timeout=20)
