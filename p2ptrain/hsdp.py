@@ -12,12 +12,9 @@ of the swarm: only the leader (rank 0) has a DHT identity and a ``DiLoCoOptimize
 3. the leader broadcasts the new global parameters (and the step counters) to the other ranks, and every rank
    copies its own shard out of them.
 
-So a 2-rank peer and a 1-rank peer hold bit-identical global parameters after every round. A newcomer made of
-several ranks takes the swarm's state on its leader and every rank copies its shards of the parameters and of the
-AdamW moments out of it (``catch_up_if_behind``). Memory: the leader's host holds six fp32 copies of the full
-model (proxy, its two moments, global parameters, outer momentum, averaging buffers), none on the GPU, plus the
-snapshot a newcomer downloads while one does; a rank's device holds its shards plus one full tensor at a time
-during a sync.
+So a 2-rank peer and a 1-rank peer hold bit-identical global parameters after every round. A peer made of ranks
+takes the swarm's state only at a sync or at start (``catch_up_if_behind``), never between syncs: the leader takes
+it and every rank copies its shards of the parameters and AdamW moments out of it. Memory: docs/hsdp-and-containers.md.
 """
 
 from __future__ import annotations
@@ -153,7 +150,8 @@ class ShardedDiLoCo:
     :param inner_optimizer: builds each rank's inner optimizer from the model's (sharded) parameters
     :param local_steps: H, inner steps between syncs
     :param diloco: on the leader only: builds the swarm-side ``DiLoCoOptimizer`` from (proxy parameters, inner
-      optimizer factory); every other ``DiLoCoOptimizer`` argument is the caller's. None on the other ranks.
+      optimizer factory); every other ``DiLoCoOptimizer`` argument is the caller's, with
+      ``options.catch_up_mid_phase=False`` (a ``ValueError`` says so). None on the other ranks.
     :param inner_lr_schedule: ``local_step -> factor`` of the inner LRs (``p2ptrain/schedules.py``), applied to every
       rank's inner optimizer before each inner step and whenever the counters are taken from the leader (a sync, a
       catch-up, a checkpoint load). Give it here, not to the leader's ``DiLoCoOptimizer``: that one's inner
@@ -194,7 +192,11 @@ class ShardedDiLoCo:
                     optimizer.state[q]["step"] = torch.tensor(0.0)
                 return optimizer
 
-            self.diloco = diloco(self.proxy, proxy_inner).start()
+            leader = diloco(self.proxy, proxy_inner)
+            if leader.options.catch_up_mid_phase:  # built, not started: nothing to stop
+                raise ValueError("ShardedDiLoCo: build the leader's DiLoCoOptimizer with catch_up_mid_phase=False "
+                                 "(DiLoCoOptions): the ranks take the swarm's state together, at a sync")
+            self.diloco = leader.start()
 
     # the leader's sync records, throughput and last state download (the other ranks have none)
     history, samples_per_s, last_download = _of_leader("history", []), _of_leader("samples_per_s", 0.0), \

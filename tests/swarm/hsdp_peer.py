@@ -80,6 +80,7 @@ def main() -> None:
         diloco = partial(DiLoCoOptimizer, dht=dht, run_id="hsdp", local_steps=args.local_steps,
                          outer_optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
                          compression=args.compression, target_group_size=2, batch_size=BATCH,
+                         catch_up_mid_phase=False,  # the ranks catch up together, at a sync
                          # alone (no --initial-peers), every round applies the peer's own pseudo-gradient, quickly
                          no_group_policy=policy, matchmaking_time_s=5.0 if policy == "wait" else 1.0)
     opt = ShardedDiLoCo(model, inner_optimizer=partial(torch.optim.AdamW, lr=1e-3), local_steps=args.local_steps,

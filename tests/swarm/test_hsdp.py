@@ -47,7 +47,11 @@ LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 TOLERANCE = 1e-4
 
 
-def single_rank_peer(dht: hivemind.DHT, shard: int, result: dict) -> None:
+def single_rank_peer(dht: hivemind.DHT, shard: int, result: dict, stay_until=lambda: True) -> None:
+    """Train SYNCS rounds on ``shard``, keep the results in ``result``, then stay (and serve the state) until
+    ``stay_until()``: a member whose last round ended without the average (its partner got every part and committed)
+    takes the state at its next sync point, from a live peer (its partner's close waits 10 s, fewer than the round's
+    timeout under load)."""
     torch.set_num_threads(1)
     model = build_model("tiny", seed=0)
     opt = DiLoCoOptimizer(model.parameters(), dht=dht, run_id="hsdp", local_steps=LOCAL_STEPS,
@@ -67,6 +71,7 @@ def single_rank_peer(dht: hivemind.DHT, shard: int, result: dict) -> None:
         result["digests"] = {record.outer_step: record.digest for record in opt.history}
         result["group_sizes"] = [record.group_size for record in opt.history]
         result["global"] = [g.detach().clone() for g in opt.global_params]
+        wait_until(stay_until, timeout_s=120, what="the other peer ended its rounds")
     finally:
         opt.close()
 
@@ -84,7 +89,7 @@ def test_two_rank_hsdp_peer_and_one_rank_peer_stay_identical(tmp_path):
     )
     one_rank: dict = {}
     try:
-        single_rank_peer(dht, shard=1, result=one_rank)
+        single_rank_peer(dht, shard=1, result=one_rank, stay_until=lambda: ranks.poll() is not None)
         assert exit_code(ranks, 120, log) == 0, log.read_text()[-4000:]
     finally:
         if ranks.poll() is None:
@@ -109,7 +114,8 @@ def test_two_rank_hsdp_peer_and_one_rank_peer_stay_identical(tmp_path):
     second = hivemind.DHT(start=True, host_maddrs=LOOPBACK, initial_peers=first.get_visible_maddrs())
     reference = [{}, {}]
     try:
-        threads = [threading.Thread(target=single_rank_peer, args=(dht, shard, reference[shard]))
+        trained = lambda: all("global" in result for result in reference)  # noqa: E731
+        threads = [threading.Thread(target=single_rank_peer, args=(dht, shard, reference[shard], trained))
                    for shard, dht in enumerate((first, second))]
         for thread in threads:
             thread.start()
@@ -122,6 +128,26 @@ def test_two_rank_hsdp_peer_and_one_rank_peer_stay_identical(tmp_path):
     scale = max(a.abs().max().item() for a in reference[0]["global"])
     print(f"2-rank HSDP + 1-rank vs 2 x 1-rank: max |difference| {worst:.2e} (largest parameter {scale:.2f})")
     assert worst <= TOLERANCE
+
+
+def test_a_leader_that_would_catch_up_between_syncs_is_refused(tmp_path):
+    # a catch-up between syncs moves the leader's parameters and counters while the other ranks train on: the peer
+    # then synced at steps of its own and waited for a round nobody else ran (CI, the test above)
+    import torch.distributed as dist
+
+    from p2ptrain.hsdp import ShardedDiLoCo
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    dht = hivemind.DHT(start=True, host_maddrs=LOOPBACK)
+    try:
+        leader = partial(DiLoCoOptimizer, dht=dht, run_id="guard", local_steps=LOCAL_STEPS,
+                         outer_optimizer=partial(torch.optim.SGD, lr=0.7))
+        with pytest.raises(ValueError, match="catch_up_mid_phase=False"):
+            ShardedDiLoCo(build_model("tiny", seed=0), inner_optimizer=partial(torch.optim.AdamW, lr=1e-3),
+                          local_steps=LOCAL_STEPS, diloco=lambda params, inner: leader(params, inner_optimizer=inner))
+    finally:
+        dht.shutdown()
+        dist.destroy_process_group()
 
 
 def alone_then_serving(dht: hivemind.DHT, syncs: int) -> tuple:
