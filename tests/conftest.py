@@ -51,8 +51,27 @@ LEFTOVER_PATTERNS = ("p2ptrain-identity-*", "pymp-*")
 """what a peer may leave in TMPDIR: a fresh identity key's folder, multiprocessing's folder of a process"""
 
 
+SO_ACCEPTCON = 0x10000
+"""the flag of a listening socket in /proc/net/unix"""
+
+
+def _listening_unix_sockets() -> set:
+    """The paths of the unix sockets some process of this network namespace listens on (/proc/net/unix)."""
+    try:
+        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return set()
+    fields = (line.split() for line in lines)
+    return {f[7] for f in fields if len(f) >= 8 and int(f[3], 16) & SO_ACCEPTCON}
+
+
 def _stale_socket(path: Path) -> bool:
-    """A unix socket file nobody listens on (a live peer's is not a leftover, whoever started it)."""
+    """A unix socket file nobody listens on (a live peer's is not a leftover, whoever started it). A socket this
+    namespace lists as listening is not probed: connecting to a live peer's socket and hanging up made it log a
+    traceback (asyncio's handler and multiprocessing's resource sharer), which a test that runs beside this check
+    under ``pytest -n`` reads as its workers' failure."""
+    if str(path) in _listening_unix_sockets():
+        return False
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(1.0)
     try:
@@ -71,7 +90,8 @@ def _tmp_entries() -> set:
     lives as long as it does) and hivemind's socket files."""
     own = multiprocessing.process.current_process()._config.get("tempdir")
     tmp = Path(tempfile.gettempdir())
-    found = {p for pattern in LEFTOVER_PATTERNS for p in tmp.glob(pattern) if str(p) != own}
+    folders = [tmp, *tmp.glob("gw*")]  # the run's, and its workers' under -n (pytest_sessionstart)
+    found = {p for folder in folders for pattern in LEFTOVER_PATTERNS for p in folder.glob(pattern) if str(p) != own}
     return found | set(HIVEMIND_SOCKETS.glob("hivemind-*.sock"))
 
 
@@ -113,6 +133,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         os.environ["TMPDIR"] = session.config._p2ptrain_tmpdir
         tempfile.tempdir = None  # gettempdir() reads TMPDIR again
         session.config._p2ptrain_tmp_before = _tmp_entries()
+    if _leftover_check_on() and hasattr(session.config, "workerinput"):
+        # under -n each worker has a TMPDIR of its own inside the run's, so that what its tests leave is blamed on
+        # them, not on a test another worker runs at the same time
+        worker_tmp = Path(os.environ["TMPDIR"]) / session.config.workerinput["workerid"]
+        worker_tmp.mkdir(exist_ok=True)
+        os.environ["TMPDIR"] = str(worker_tmp)
+        tempfile.tempdir = None
     # once per run, not in each xdist worker; P2PTRAIN_TREE_CHECK=0 turns it off where people edit the same
     # checkout while the tests run (their new files would count)
     if not hasattr(session.config, "workerinput") and os.environ.get("P2PTRAIN_TREE_CHECK", "1") != "0":
@@ -201,19 +228,17 @@ def no_leftovers(request):
     uses counts, and only that is removed. The default suite (``make test``) fails on it; a slow test's leftovers
     are reported at the end of the run: five of them (SIGKILLed and force-stopped peers in the chaos and CLI tests)
     leave files that a killed process cannot remove, which is their own issue."""
-    global _SLOW_LEFTOVERS_RAN
     if not _leftover_check_on():
         yield
         return
     slow = request.node.get_closest_marker("slow") is not None
-    _SLOW_LEFTOVERS_RAN |= slow
     before = _tmp_entries()
     yield
     left = _wait_for_leftovers(before)
     if left:
         remove_leftovers(left)
-        if slow:
-            _SLOW_LEFTOVERS.append((request.node.nodeid, [str(p) for p in left]))
+        if slow:  # reported by the process that reports the run (pytest_runtest_logreport): under -n, not this one
+            request.node.user_properties.append(("slow_leftovers", [str(p) for p in left]))
         else:
             pytest.fail(f"the test left {len(left)} file(s) behind: {', '.join(str(p) for p in left)}")
 
@@ -222,7 +247,12 @@ _seconds_per_file: Dict[str, float] = defaultdict(float)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    global _SLOW_LEFTOVERS_RAN
     _seconds_per_file[report.nodeid.split("::", 1)[0]] += report.duration  # setup, call and teardown
+    _SLOW_LEFTOVERS_RAN |= "slow" in report.keywords
+    if report.when == "teardown":
+        _SLOW_LEFTOVERS.extend((report.nodeid, paths) for name, paths in report.user_properties
+                               if name == "slow_leftovers")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:

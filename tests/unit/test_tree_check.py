@@ -26,8 +26,9 @@ def _repo(tmp_path: Path, test_body: str) -> Path:
     return repo
 
 
-def _pytest(repo: Path, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"],
+def _pytest(repo: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-p", "no:randomly",
+                           *args],
                           cwd=repo, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "P2PTRAIN_TREE_CHECK": "1", **env})
 
@@ -72,3 +73,34 @@ def test_a_process_orphaned_by_a_dead_child_fails_the_test_that_leaked_it(tmp_pa
     result = _pytest(repo, P2PTRAIN_TREE_CHECK="0", P2PTRAIN_REAP_GRACE_S="1")  # the sleeper will not leave by itself
     assert result.returncode == 1, result.stdout + result.stderr
     assert "the test left 1 child process(es) running" in result.stdout, result.stdout
+
+
+LEAVING_TESTS = """import tempfile
+from pathlib import Path
+
+import pytest
+
+
+def _leave(name):
+    (Path(tempfile.gettempdir()) / f"p2ptrain-identity-{name}").mkdir()  # a key's folder no p2pd uses
+
+
+@pytest.mark.slow
+def test_slow():
+    _leave("slow")
+
+
+def test_default():
+    _leave("default")
+"""
+
+
+def test_under_two_workers_a_default_tests_leftover_fails_it_and_a_slow_ones_is_reported(tmp_path):
+    # `make test` runs the tests on 2 workers: what a slow test left must reach the report of the whole run
+    repo = _repo(tmp_path, "pass")
+    (repo / "test_it.py").write_text(LEAVING_TESTS)
+    result = _pytest(repo, "-n", "2", P2PTRAIN_TREE_CHECK="0")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "ERROR test_it.py::test_default - Failed: the test left 1 file(s) behind" in result.stdout, result.stdout
+    assert "files left by slow tests" in result.stdout, result.stdout
+    assert "test_it.py::test_slow: " in result.stdout and "p2ptrain-identity-slow" in result.stdout, result.stdout
