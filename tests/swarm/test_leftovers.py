@@ -9,8 +9,10 @@ peer (found through its process tree while it runs) rather than counting files i
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -170,14 +172,19 @@ def test_a_worker_whose_dht_process_dies_says_so_and_leaves_nothing_behind(tmp_p
 
 
 @pytest.mark.slow  # a whole worker, 15 s on 2 cores: `make test-slow` (CI runs it)
-def test_a_worker_that_trained_leaves_no_multiprocessing_folder_in_tmpdir(tmp_path: Path):
+def test_a_worker_that_trained_leaves_no_multiprocessing_folder_in_tmpdir():
     """A worker that trained ends with os._exit (hsdp.exit_rank), which skips multiprocessing's finalizers: each one
     left its pymp-*/listener-* socket in TMPDIR (990 of them after a day's runs, issue 35)."""
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
-    done = p2ptrain("join", "--host-maddrs", LOOPBACK, "--run-id", "leftovers", "--model", "tiny", "--threads", "1",
-                    "--no-progress", "--local-steps", "5", "--max-outer-steps", "1", env={"TMPDIR": str(tmpdir)},
-                    timeout=150)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "left at outer step 1" in done.stderr, done.stderr[-3000:]
-    assert not list(tmpdir.glob("pymp-*")) and not list(tmpdir.glob("p2ptrain-identity-*")), list(tmpdir.iterdir())
+    # a short path, not tmp_path: torch_shm_manager's socket in it must fit a unix socket address (108 bytes), and
+    # under pytest-xdist tmp_path (.../popen-gw1/test_a_worker_that_trained_leaves_no0/) did not (EINVAL)
+    tmpdir = Path(tempfile.mkdtemp(prefix="t-"))
+    try:
+        done = p2ptrain("join", "--host-maddrs", LOOPBACK, "--run-id", "leftovers", "--model", "tiny", "--threads",
+                        "1", "--no-progress", "--local-steps", "5", "--max-outer-steps", "1",
+                        env={"TMPDIR": str(tmpdir)}, timeout=150)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "left at outer step 1" in done.stderr, done.stderr[-3000:]
+        left = list(tmpdir.iterdir())
+        assert not [p for p in left if p.name.startswith(("pymp-", "p2ptrain-identity-"))], left
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
