@@ -31,7 +31,7 @@ from p2ptrain.averaging.butterfly import run_butterfly
 from p2ptrain.averaging.compression import SPARSE, WireCodec, get_compression
 from p2ptrain.averaging.context import AveragerContext
 from p2ptrain.averaging.evidence import BAN_S, Evidence
-from p2ptrain.averaging.part_stream import handler_name, serve_part_stream
+from p2ptrain.averaging.part_stream import LINGER_S, handler_name, serve_part_stream
 from p2ptrain.averaging.plan import RoundReport, SharedRoundPlan
 from p2ptrain.averaging.process import enter_averager_process, remove_replica_socket
 from p2ptrain.averaging.robust import check_aggregation, weight_cap
@@ -48,6 +48,13 @@ from p2ptrain.proto import p2ptrain_pb2
 from p2ptrain.security import SwarmAuth
 
 logger = get_logger(__name__)
+
+
+async def linger_after_refusal() -> None:
+    """Keep a refused stream open until its sender hangs up, as it does on reading the refusal (hivemind then cancels
+    this wait), at most ``LINGER_S``: a handler that ended at once closed its socket, p2pd reset the stream, and the
+    answer was lost (the rogue test's protocol-9 part got no code: once in each of the last two sessions' runs). The part stream's refusals linger the same way (part_stream._answer_and_linger)."""
+    await asyncio.sleep(LINGER_S)
 
 
 class PseudoGradientAverager(DecentralizedAverager):
@@ -254,6 +261,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             logger.warning(f"refused peer {context.remote_id}'s request to join our group: {refusal}")
             self.ban(context.remote_id, refusal)
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            await linger_after_refusal()
             return
         async for response in super().rpc_join_group(request, context):
             yield response
@@ -262,6 +270,7 @@ class PseudoGradientAverager(DecentralizedAverager):
                                  _context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
         """Parts over hivemind's protobuf stream (protocol 9 and older): refused; since 10 they have their own."""
         yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+        await linger_after_refusal()
 
     async def rpc_audit_input(self, request: p2ptrain_pb2.AuditRequest,
                               context: P2PContext) -> p2ptrain_pb2.AuditInput:

@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from functools import partial
+from typing import Optional
 
 import hivemind
 import pytest
@@ -264,16 +265,28 @@ class ByteCount:
     bytes_sent = bytes_received = 0
 
 
-async def codes_until_hung_up(stream) -> list:
-    """The codes an honest peer answered a request with. It answers and hangs up; when that happens before the
-    rogue's end-of-stream marker is written, hivemind's writing task raises BrokenPipeError after the answers (CI
-    saw it once)."""
+async def first_answer_code(stream, outcome: Optional[dict] = None) -> list:
+    """The code an honest peer answered a request with first (a list: empty if it hung up without one); then the rogue
+    hangs up, as hivemind's own clients do on a refusal (the honest peer holds a refused stream open until then, so
+    that p2pd delivers the answer). Hanging up before the rogue's end-of-stream marker is written makes hivemind's
+    writing task raise BrokenPipeError (CI saw it once)."""
     codes = []
     try:
         async for msg in stream:
             codes.append(msg.code)
+            break
+        if outcome is not None:  # whether the peer held the stream open for a second after its answer
+            try:
+                await asyncio.wait_for(stream.__anext__(), 1.0)
+                outcome["held_open"] = False  # another message
+            except asyncio.TimeoutError:
+                outcome["held_open"] = True
+            except StopAsyncIteration:
+                outcome["held_open"] = False  # it hung up
     except (BrokenPipeError, ConnectionResetError):
         pass
+    finally:
+        await stream.aclose()
     return codes
 
 
@@ -294,14 +307,14 @@ def test_a_peer_without_the_key_is_refused_everything(swarm_key, alone, capfd, l
                 group_key=f"{PREFIX}.0b00000000")
             stream = await p2p.iterate_protobuf_handler(
                 honest[0], f"{PREFIX}::{SERVICER}.rpc_join_group", request, averaging_pb2.MessageFromLeader)
-            outcome["join"] = await codes_until_hung_up(stream)
+            outcome["join"] = await first_answer_code(stream)
             # 2. send a part of an all-reduce: on the part stream (protocol 10), and over hivemind's protobuf RPC
             part = averaging_pb2.AveragingData(group_id=b"x" * 20, weight=1.0, tensor_part=runtime_pb2.Tensor())
             stream = await open_part_stream(p2p, honest[1], PREFIX, b"x" * 20, as_aiter(part), ByteCount())
-            outcome["part"] = await codes_until_hung_up(stream)
+            outcome["part"] = await first_answer_code(stream)
             stream = await p2p.iterate_protobuf_handler(
                 honest[1], f"{PREFIX}::{SERVICER}.rpc_aggregate_part", part, averaging_pb2.AveragingData)
-            outcome["part_rpc"] = await codes_until_hung_up(stream)
+            outcome["part_rpc"] = await first_answer_code(stream, outcome)
             # 3. fetch the model: p2ptrain's chunked state transfer, and hivemind's own download
             outcome["info"] = await p2p.call_protobuf_handler(
                 honest[0], f"{PREFIX}::{SERVICER}.rpc_state_info", p2ptrain_pb2.StateInfoRequest(),
@@ -355,6 +368,7 @@ def test_a_peer_without_the_key_is_refused_everything(swarm_key, alone, capfd, l
     assert outcome["join"] == [averaging_pb2.PROTOCOL_VIOLATION]
     assert outcome["part"] == [averaging_pb2.BAD_GROUP_ID]
     assert outcome["part_rpc"] == [averaging_pb2.PROTOCOL_VIOLATION]  # protocol 9's way in is closed
+    assert outcome["held_open"], "the refusal's stream must stay open until the sender hangs up (else p2pd may drop it)"
     assert outcome["stream_hung_up_after_s"] < 10
     assert not outcome["info"].available and not outcome["chunk"].available and outcome["download"] == []
     assert outcome["hung_up_after_s"] < 10
