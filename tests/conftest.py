@@ -65,12 +65,12 @@ def _listening_unix_sockets() -> set:
     return {f[7] for f in fields if len(f) >= 8 and int(f[3], 16) & SO_ACCEPTCON}
 
 
-def _stale_socket(path: Path) -> bool:
-    """A unix socket file nobody listens on (a live peer's is not a leftover, whoever started it). A socket this
-    namespace lists as listening is not probed: connecting to a live peer's socket and hanging up made it log a
-    traceback (asyncio's handler and multiprocessing's resource sharer), which a test that runs beside this check
-    under ``pytest -n`` reads as its workers' failure."""
-    if str(path) in _listening_unix_sockets():
+def _stale_socket(path: Path, listening: set) -> bool:
+    """A unix socket file nobody listens on (a live peer's is not a leftover, whoever started it). A socket in
+    ``listening`` (``_listening_unix_sockets()``) is not probed: connecting to a live peer's socket and hanging up
+    made it log a traceback (asyncio's handler and multiprocessing's resource sharer), which a test that runs beside
+    this check under ``pytest -n`` reads as its workers' failure."""
+    if str(path) in listening:
         return False
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(1.0)
@@ -95,15 +95,15 @@ def _tmp_entries() -> set:
     return found | set(HIVEMIND_SOCKETS.glob("hivemind-*.sock"))
 
 
-def _in_use(path: Path, command_lines: str, final: bool) -> bool:
+def _in_use(path: Path, command_lines: str, listening: set, final: bool) -> bool:
     """Whether a live process may still use ``path`` (a module fixture's daemons live across tests: removing the
     multiprocessing folder of one broke its DHT). ``final``: at the end of the run, when no daemon is left."""
     if path.suffix == ".sock":
-        return not _stale_socket(path)
+        return not _stale_socket(path, listening)
     if path.name.startswith("p2ptrain-identity-"):  # the key a live p2pd was started with (-id=...)
         return str(path) in command_lines
     listeners = list(path.glob("listener-*"))  # pymp-*: the socket a live process passes file descriptors through
-    return any(not _stale_socket(listener) for listener in listeners) or not listeners and not final
+    return any(not _stale_socket(listener, listening) for listener in listeners) or not listeners and not final
 
 
 def _leftovers(before: set, final: bool = False) -> List[Path]:
@@ -112,7 +112,8 @@ def _leftovers(before: set, final: bool = False) -> List[Path]:
     if not new:
         return []
     command_lines = " ".join(" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"]))
-    return sorted(p for p in new if p.exists() and not _in_use(p, command_lines, final))
+    listening = _listening_unix_sockets()  # once per look, not once per socket
+    return sorted(p for p in new if p.exists() and not _in_use(p, command_lines, listening, final))
 
 
 def _leftover_check_on() -> bool:

@@ -53,7 +53,8 @@ logger = get_logger(__name__)
 async def linger_after_refusal() -> None:
     """Keep a refused stream open until its sender hangs up, as it does on reading the refusal (hivemind then cancels
     this wait), at most ``LINGER_S``: a handler that ended at once closed its socket, p2pd reset the stream, and the
-    answer was lost (the rogue test's protocol-9 part got no code: once in each of the last two sessions' runs). The part stream's refusals linger the same way (part_stream._answer_and_linger)."""
+    answer was lost (the rogue test's protocol-9 part got no code: once in each of the last two sessions' runs).
+    The part stream's refusals linger the same way (part_stream._answer_and_linger)."""
     await asyncio.sleep(LINGER_S)
 
 

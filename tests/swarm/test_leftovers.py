@@ -184,7 +184,6 @@ def test_a_worker_that_trained_leaves_no_multiprocessing_folder_in_tmpdir():
                         env={"TMPDIR": str(tmpdir)}, timeout=150)
         assert done.returncode == 0, done.stderr[-3000:]
         assert "left at outer step 1" in done.stderr, done.stderr[-3000:]
-        left = list(tmpdir.iterdir())
-        assert not [p for p in left if p.name.startswith(("pymp-", "p2ptrain-identity-"))], left
+        assert not list(tmpdir.glob("pymp-*")) and not list(tmpdir.glob("p2ptrain-identity-*")), list(tmpdir.iterdir())
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
