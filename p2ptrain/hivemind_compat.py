@@ -70,6 +70,7 @@ class TouchPoint:
 _AVERAGER = "hivemind.averaging.averager.DecentralizedAverager"
 _MATCHMAKING = "hivemind.averaging.matchmaking.Matchmaking"
 _RUNNER = "hivemind.averaging.allreduce.AllReduceRunner"
+_CONTAINER = "hivemind.averaging.partition.TensorPartContainer"
 
 TOUCH_POINTS: Tuple[TouchPoint, ...] = (
     TouchPoint(_AVERAGER, "_step", "method", "averaging/averager.py",
@@ -146,8 +147,12 @@ TOUCH_POINTS: Tuple[TouchPoint, ...] = (
                "stream our parts to a reducer, recording each one's commitment (audit.py)", ("self", "peer_index")),
     TouchPoint(_RUNNER, "_ban_sender", "method", "averaging/allreduce.py", "a sender whose part was refused",
                ("self", "peer_id")),
-    TouchPoint("hivemind.averaging.partition.TensorPartContainer", "_input_parts_by_peer", "attribute",
-               "averaging/allreduce.py", "our own part over a range, the reference of the norm check"),
+    TouchPoint(_CONTAINER, "_input_parts_by_peer", "attribute", "averaging/allreduce.py, averaging/flat_outputs.py",
+               "our own part over a range: the reference of the norm check, a failed range's values"),
+    *(TouchPoint(_CONTAINER, name, "method", "averaging/flat_outputs.py", "averages decoded into one kept buffer",
+                 params) for name, params in [("register_processed_part", ("self", "peer_index", "part_index", "part")),
+                                              ("register_failed_reducer", ("self", "peer_index")),
+                                              ("iterate_output_tensors", ("self",)), ("finalize", ("self",))]),
     TouchPoint("hivemind.averaging.partition.TensorPartReducer", "check_current_part_finished", "method",
                "averaging/reducer.py", "a part that every sender weighs 0 averages to zeros, not NaN", ("self",)),
     TouchPoint("hivemind.averaging.partition.TensorPartReducer", "accumulate_part", "method",

@@ -38,11 +38,12 @@ from hivemind.compression import CompressionInfo
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
-from hivemind.utils.asyncio import amap_in_executor, attach_event_on_finished
+from hivemind.utils.asyncio import aenumerate, amap_in_executor, attach_event_on_finished
 
 from p2ptrain.averaging.audit import choose_audits, commitment
 from p2ptrain.averaging.compression import WireCodec, WireFormatError
 from p2ptrain.averaging.evidence import AverageSigner
+from p2ptrain.averaging.flat_outputs import FlatOutputs
 from p2ptrain.averaging.norm_check import NormCheck
 from p2ptrain.averaging.receipts import Receipts
 from p2ptrain.averaging.reducer import Reducer
@@ -74,8 +75,11 @@ class ExactAllReduceRunner(AllReduceRunner):
                  deviation_scale: Optional[Sequence[torch.Tensor]] = None, aggregation: str = "mean",
                  weight_cap: float = math.inf, signer: Optional[AverageSigner] = None,
                  on_bad_average: Optional[Callable[[PeerID, int, averaging_pb2.AveragingData, str], None]] = None,
-                 require_receipts: bool = False, audit_parts: int = 0, **kwargs):
+                 require_receipts: bool = False, audit_parts: int = 0, output_buffer: Optional[torch.Tensor] = None,
+                 **kwargs):
         super().__init__(**kwargs)
+        # every average is decoded into its slice of one flat buffer, the caller's if it kept one (flat_outputs.py)
+        self._outputs = FlatOutputs.adopt(self.tensor_part_container, output_buffer)
         Reducer.adopt(self.tensor_part_reducer, aggregation, weight_cap)  # reducer.py
         self._on_bad_peer = on_bad_peer or (lambda peer, reason: None)
         # evidence.py: our averages go out signed; a signed average we refuse goes to on_bad_average (evidence)
@@ -228,7 +232,8 @@ class ExactAllReduceRunner(AllReduceRunner):
             )
             serialized = await self._serialize_average(part_index, averaged_part)
             # use exactly what the other senders receive: decompress(compress(average))
-            self.tensor_part_container.register_processed_part(peer_index, part_index, self._timed.decode(serialized))
+            average = self._timed.decode(serialized, self._outputs.part_slice(peer_index, part_index))
+            self._outputs.register_processed_part(peer_index, part_index, average)
 
     async def _communicate_with_remote_reducer(self, peer_id: PeerID):
         """Sender side: stream our parts of that reducer's range to it, register the averages it answers.
@@ -248,11 +253,14 @@ class ExactAllReduceRunner(AllReduceRunner):
             expected_shapes = self._part_shapes_by_peer[peer_index]
             expected = self.tensor_part_container.num_parts_by_peer[peer_index]
 
-            def _try_deserialize(msg):
+            def _try_deserialize(indexed):
+                index, msg = indexed
                 if msg.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
-                try:
-                    return msg, self._timed.decode(msg.tensor_part), ""
+                if index >= expected:
+                    return msg, None, f"part #{index}, beyond the {expected} of its range"
+                try:  # into the part's slice of the outputs (a bad answer's range is overwritten with our values)
+                    return msg, self._timed.decode(msg.tensor_part, self._outputs.part_slice(peer_index, index)), ""
                 except WireFormatError as e:
                     return msg, None, str(e)
 
@@ -262,15 +270,14 @@ class ExactAllReduceRunner(AllReduceRunner):
             if self.reducer_timeout is not None:
                 first_answer_s = min(first_answer_s, self.reducer_timeout)
             answers = amap_in_executor(
-                _try_deserialize,
-                aiter_with_timeouts(stream, first_answer_s, self.reducer_timeout),
+                _try_deserialize, aenumerate(aiter_with_timeouts(stream, first_answer_s, self.reducer_timeout)),
                 max_prefetch=self.tensor_part_container.prefetch,
             )
             try:
                 async for msg, average, undecodable in answers:
                     if undecodable:
                         problem = f"an average for part #{part_index} that does not decode: {undecodable}"
-                    elif part_index >= len(expected_shapes) or average.shape != expected_shapes[part_index]:
+                    elif average.shape != expected_shapes[part_index]:
                         problem = f"an average of shape {tuple(average.shape)} for part #{part_index}"
                     else:
                         own = own_input_part(self.tensor_part_container, peer_index, part_index)
@@ -291,7 +298,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                         raise AllreduceException(f"{peer_id} returned {problem}")
                     if (peer_index, part_index) in self._audit_choice:
                         self.audit_targets.append((peer_id, part_index, msg))
-                    self.tensor_part_container.register_processed_part(peer_index, part_index, average)
+                    self._outputs.register_processed_part(peer_index, part_index, average)
                     part_index += 1
                     if part_index == expected:
                         break  # all of its range: hang up now, the reducer holds the stream open until we do

@@ -31,6 +31,7 @@ from p2ptrain.averaging.butterfly import run_butterfly
 from p2ptrain.averaging.compression import SPARSE, WireCodec, get_compression
 from p2ptrain.averaging.context import AveragerContext
 from p2ptrain.averaging.evidence import BAN_S, Evidence
+from p2ptrain.averaging.flat_outputs import OutputBufferSlot
 from p2ptrain.averaging.part_stream import LINGER_S, handler_name, serve_part_stream
 from p2ptrain.averaging.plan import RoundReport, SharedRoundPlan
 from p2ptrain.averaging.process import enter_averager_process, remove_replica_socket
@@ -99,6 +100,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         self.report = RoundReport()  # incomplete rounds, their failed members, group lookups: the host reads them
         self._steered: Optional[SteeredMatchmaking] = None  # averager process: its matchmaking, steered per round
         self._running_step = None  # averager process: the StepControl of the step in progress
+        self.output_buffer = OutputBufferSlot()  # averager process: a round decodes its averages there (flat_outputs)
         # mixing groups: the stepped global parameters, then the stepped outer momenta (``outer.stepped_state_``),
         # averaged instead of the pseudo-gradients in a round whose members start from different parameters
         self.state_fragment = list(range(len(averaged_tensors), len(averaged_tensors) + len(state_tensors)))

@@ -75,6 +75,7 @@ async def run_butterfly(averager, tensors: Sequence[torch.Tensor], group_info: G
         # a private swarm's reducers all sign receipts (start_dht gives each an identity): one that does not
         # could not be audited. Mixing groups (deviation_scale) average states in fp32: not audited
         require_receipts=averager.evidence.signer is not None and averager.auth.private,
+        output_buffer=averager.output_buffer.take(sum(tensor.numel() for tensor in tensors)),
         audit_parts=0 if averager.evidence.signer is None or "deviation_scale" in kwargs else averager.auditor.parts,
         **kwargs,
     )
@@ -89,6 +90,7 @@ async def run_butterfly(averager, tensors: Sequence[torch.Tensor], group_info: G
     else:
         # collect first, write after: a round that fails half-way must leave the local tensors as they were
         await average_into(runner, tensors, averager.report.record_failed)
+        averager.output_buffer.keep(runner.tensor_part_container.buffer)  # a round that failed keeps none
         averager.last_updated = time.time()
         averager.auditor.start(group_id, runner.audit_targets, runner._codec)
     return round_result(runner, len(group_info.peer_ids))

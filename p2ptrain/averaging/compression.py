@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from typing import ClassVar, Dict, List, Sequence, Type
+from typing import ClassVar, Dict, List, Optional, Sequence, Type
 
 import numpy as np
 import torch
@@ -103,7 +103,14 @@ class WireCodec(CompressionBase):
         """The flat fp32 values of a buffer that has ``num_bytes(numel)`` bytes; raise ValueError if it is bad."""
         raise NotImplementedError
 
-    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+    def _decode_into(self, buffer: bytes, numel: int, out: torch.Tensor) -> None:
+        """``_decode`` written into ``out`` (flat fp32 of ``numel`` values); codecs that can convert straight from the
+        buffer do, without a tensor of their own in between."""
+        out.copy_(self._decode(buffer, numel))
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The message's values as fp32 of its shape: a new tensor, or ``out`` (flat, as many values as the message
+        says it has: WireFormatError otherwise, before anything is written) viewed in that shape."""
         msg = serialized_tensor
         if msg.compression != self.compression_type or msg.dtype != self.dtype_tag:
             raise WireFormatError(
@@ -117,7 +124,12 @@ class WireCodec(CompressionBase):
             raise WireFormatError(
                 f"a {self.name} part of shape {shape} needs {expected} bytes, the message has {len(msg.buffer)}"
             )
+        if out is not None and out.numel() != numel:
+            raise WireFormatError(f"a {self.name} part of shape {shape}, where {out.numel()} values were expected")
         try:
+            if out is not None:
+                self._decode_into(msg.buffer, numel, out)
+                return out.view(shape)
             return self._decode(msg.buffer, numel).reshape(shape)
         except WireFormatError:
             raise
@@ -153,6 +165,9 @@ class NoneCodec(WireCodec, NoCompression):
     def _decode(self, buffer: bytes, numel: int) -> torch.Tensor:
         return wire_values(buffer, torch.float32).clone()
 
+    def _decode_into(self, buffer: bytes, numel: int, out: torch.Tensor) -> None:
+        out.copy_(wire_values(buffer, torch.float32))
+
 
 class Fp16Codec(WireCodec, Float16Compression):
     """fp16: hivemind's ``Float16Compression`` message (values clamped to fp16's finite range, then rounded)."""
@@ -173,6 +188,9 @@ class Fp16Codec(WireCodec, Float16Compression):
 
     def _decode(self, buffer: bytes, numel: int) -> torch.Tensor:
         return wire_values(buffer, torch.float16).to(torch.float32)
+
+    def _decode_into(self, buffer: bytes, numel: int, out: torch.Tensor) -> None:
+        out.copy_(wire_values(buffer, torch.float16))
 
 
 class Bf16Codec(WireCodec):
@@ -199,6 +217,9 @@ class Bf16Codec(WireCodec):
 
     def _decode(self, buffer: bytes, numel: int) -> torch.Tensor:
         return wire_values(buffer, torch.int16).view(torch.bfloat16).to(torch.float32)
+
+    def _decode_into(self, buffer: bytes, numel: int, out: torch.Tensor) -> None:
+        out.copy_(wire_values(buffer, torch.int16).view(torch.bfloat16))
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         return 0.5

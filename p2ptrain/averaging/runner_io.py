@@ -51,9 +51,9 @@ class TimedCodec:
         with self._clock("encode"):
             return self._codec.compress(tensor, CompressionInfo.from_tensor(tensor))
 
-    def decode(self, message: runtime_pb2.Tensor) -> torch.Tensor:
+    def decode(self, message: runtime_pb2.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         with self._clock("decode"):
-            return self._codec.extract(message)
+            return self._codec.extract(message, out)
 
     def roundtrip(self, tensor: torch.Tensor) -> torch.Tensor:
         """What a reducer receives of our own ``tensor`` (the codec's direct path: int8 builds no message)."""
