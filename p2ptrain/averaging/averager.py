@@ -32,6 +32,7 @@ from p2ptrain.averaging.compression import SPARSE, WireCodec, get_compression
 from p2ptrain.averaging.context import AveragerContext
 from p2ptrain.averaging.evidence import BAN_S, Evidence
 from p2ptrain.averaging.flat_outputs import OutputBufferSlot
+from p2ptrain.averaging.part_size import RATE_KEY, round_part_size
 from p2ptrain.averaging.part_stream import LINGER_S, handler_name, serve_part_stream
 from p2ptrain.averaging.plan import RoundReport, SharedRoundPlan
 from p2ptrain.averaging.process import enter_averager_process, remove_replica_socket
@@ -127,7 +128,8 @@ class PseudoGradientAverager(DecentralizedAverager):
 
     @property
     def part_size_bytes(self) -> int:
-        """The all-reduce cuts each tensor into parts of this many bytes after compression (``wire_parts``)."""
+        """hivemind's part size (bytes after compression): a round's until its members measured their links, and the
+        cut of error feedback (``wire_parts``), which rounds alike whatever size a round chose (part_size.py)."""
         return self.allreduce_kwargs["part_size_bytes"]
 
     @property
@@ -240,7 +242,9 @@ class PseudoGradientAverager(DecentralizedAverager):
             weight = float(self.mode != AveragingMode.AUX)  # hivemind's default
         # every join request and every group's gathered data carry our admission token (empty in an open swarm)
         # and our weight (a group whose members all weigh 0 has nothing to average: Admission.check_contributors)
-        gather = dict(gather or {}, admission=self.auth.token(self.peer_id), weight=weight)
+        # and how fast our last round moved bytes, of which the group's slowest sets its part size (part_size.py)
+        gather = dict(gather or {}, admission=self.auth.token(self.peer_id), weight=weight,
+                      **{RATE_KEY: round(self.report.link_bytes_s)})
         return super().step(gather=gather, weight=weight, **kwargs)
 
     # ------------------------------------------------------------------------------------- admission and bans
@@ -334,6 +338,7 @@ class PseudoGradientAverager(DecentralizedAverager):
                 kwargs["die_after_parts"] = fault.count
             # the fragment this round averages (every member set the same: it is part of the group key)
             fragment = self.fragments[self.plan.fragment]
+            kwargs["part_size_bytes"] = round_part_size(gathered.values(), self.part_size_bytes)  # every member's
             mixed = mixes_states(gathered, bool(self.state_fragment))
             if mixed:
                 # exact: the mean of the stepped states must be the step of the mean state (outer.stepped_state_),

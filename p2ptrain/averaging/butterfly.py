@@ -16,6 +16,7 @@ from hivemind.utils import get_logger
 from hivemind.utils.asyncio import as_aiter, azip
 
 from p2ptrain.averaging.allreduce import ExactAllReduceRunner
+from p2ptrain.averaging.part_size import link_rate
 from p2ptrain.averaging.round import SERVE_SENDERS_TIMEOUT_S, IncompleteRoundError, RoundResult
 from p2ptrain.finite import all_finite
 from p2ptrain.hivemind_compat import p2p_of, register_runner
@@ -66,6 +67,7 @@ async def run_butterfly(averager, tensors: Sequence[torch.Tensor], group_info: G
     """One butterfly round of ``averager`` (a ``PseudoGradientAverager``, averager process) over ``tensors``: its
     runner, registered for the part streams, with the averager's checks, signer and audits."""
     group_id = group_info.group_id if group_id is None else group_id
+    started = time.perf_counter()
     runner = averager.runner_type(
         p2p=p2p_of(averager), servicer_type=type(averager), prefix=averager.prefix, tensors=tensors,
         group_id=group_id, ordered_peer_ids=group_info.peer_ids,
@@ -91,6 +93,8 @@ async def run_butterfly(averager, tensors: Sequence[torch.Tensor], group_info: G
         # collect first, write after: a round that fails half-way must leave the local tensors as they were
         await average_into(runner, tensors, averager.report.record_failed)
         averager.output_buffer.keep(runner.tensor_part_container.buffer)  # a round that failed keeps none
+        averager.report.record_link_rate(link_rate(runner.bytes_sent, runner.bytes_received,
+                                                   time.perf_counter() - started))
         averager.last_updated = time.time()
         averager.auditor.start(group_id, runner.audit_targets, runner._codec)
     return round_result(runner, len(group_info.peer_ids))

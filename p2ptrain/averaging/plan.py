@@ -59,6 +59,8 @@ class RoundReport:
         # base58 ids of the members that failed the last incomplete round, comma-separated
         self._failed = mp.Array(ctypes.c_char, MAX_PEER_LIST_BYTES)
         self.group_lookups = mp.Value(ctypes.c_int64, 0)  # DHT lookups of the group key matchmaking made
+        # the last butterfly round's bytes per second (part_size.link_rate): the next rounds' join data carry it
+        self._link_bytes_s = mp.Value(ctypes.c_double, 0.0)
 
     def count_incomplete(self) -> None:
         with self._incomplete.get_lock():
@@ -67,6 +69,13 @@ class RoundReport:
     def record_failed(self, failed: List[str]) -> None:
         """The base58 ids of the members that failed this incomplete round."""
         self._failed.value = joined_ids(failed)
+
+    def record_link_rate(self, bytes_s: float) -> None:
+        self._link_bytes_s.value = bytes_s
+
+    @property
+    def link_bytes_s(self) -> float:
+        return float(self._link_bytes_s.value)
 
     @property
     def incomplete_rounds(self) -> int:

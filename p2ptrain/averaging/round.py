@@ -50,7 +50,7 @@ class IncompleteRoundError(AllreduceException):
     """A group formed but the round did not finish on every part (a member died or timed out mid-round)."""
 
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 """What peers must agree on beyond the codec to average together; bumped when a round's meaning changes.
 2: digests of the global parameters are sha256 (they were blake2b). 3: join requests carry an admission token,
 records about a peer are signed, parts are checked against the reducer's own norm. 4: reducers stream averages to
@@ -63,7 +63,8 @@ that leaves stores a leaving record (``PeerProgress.leaving``): with 6's peers t
 8: sparse messages Rice-code their places (``sparse.py``): 7's 12-bit places do not decode as 8's. 9: a reducer's
 signed answer carries its receipt (``audit.py``), which senders check and auditors recompute: 8's bare signature
 does not parse as 9's. 10: a round's parts and averages go over p2ptrain's own stream (``part_stream.py``), not
-hivemind's protobuf stream, which 10's peers refuse."""
+hivemind's protobuf stream, which 10's peers refuse. 11: a round's part size comes from its members' measured link
+rates (``part_size.py``): 10's peers would cut the default size and refuse 11's parts."""
 
 SERVE_SENDERS_TIMEOUT_S = 15.0
 """how long a reducer that has its own result waits for the other senders to take their last averages"""

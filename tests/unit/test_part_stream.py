@@ -35,7 +35,7 @@ def a_part(**fields) -> averaging_pb2.AveragingData:
 
 def test_the_bytes_of_a_hello_and_a_frame_stay_the_same():
     """A deliberate change of these bytes is a new protocol version (averaging/round.py's PROTOCOL_VERSION)."""
-    assert hello(b"gid") == b"p2ptpart" + (10).to_bytes(2, "little") + (3).to_bytes(2, "little") + b"gid"
+    assert hello(b"gid") == b"p2ptpart" + (11).to_bytes(2, "little") + (3).to_bytes(2, "little") + b"gid"
     head, payload = message_frame(a_part())
     assert payload == bytes(range(8))
     meta = head[FRAME.size:]
@@ -61,12 +61,12 @@ def test_a_message_comes_back_whole_through_a_frame():
 
 def test_a_hello_of_another_version_or_kind_is_refused_in_words():
     assert read(read_hello, hello(b"group")) == b"group"
-    with pytest.raises(PartStreamError, match="stream version 9, this peer 10: run the same p2ptrain version"):
-        read(read_hello, hello(b"group", version=9))
+    with pytest.raises(PartStreamError, match="stream version 10, this peer 11: run the same p2ptrain version"):
+        read(read_hello, hello(b"group", version=10))
     with pytest.raises(PartStreamError, match="does not start with p2ptrain's all-reduce hello"):
         read(read_hello, b"\x01" + bytes(100))
     with pytest.raises(PartStreamError, match="60000-byte group id"):
-        read(read_hello, part_stream.HELLO.pack(part_stream.MAGIC, 10, 60000))
+        read(read_hello, part_stream.HELLO.pack(part_stream.MAGIC, 11, 60000))
 
 
 @pytest.mark.parametrize("header, problem", [
