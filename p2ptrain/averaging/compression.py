@@ -120,17 +120,18 @@ class WireCodec(CompressionBase):
         shape = tuple(msg.size)
         numel = math.prod(shape)
         expected = self.num_bytes(numel)
-        if len(msg.buffer) != expected:
+        buffer = msg.buffer  # a copy out of the message at each read: read once
+        if len(buffer) != expected:
             raise WireFormatError(
-                f"a {self.name} part of shape {shape} needs {expected} bytes, the message has {len(msg.buffer)}"
+                f"a {self.name} part of shape {shape} needs {expected} bytes, the message has {len(buffer)}"
             )
         if out is not None and out.numel() != numel:
             raise WireFormatError(f"a {self.name} part of shape {shape}, where {out.numel()} values were expected")
         try:
             if out is not None:
-                self._decode_into(msg.buffer, numel, out)
+                self._decode_into(buffer, numel, out)
                 return out.view(shape)
-            return self._decode(msg.buffer, numel).reshape(shape)
+            return self._decode(buffer, numel).reshape(shape)
         except WireFormatError:
             raise
         except Exception as e:  # whatever numpy or torch say about a bad buffer: one clean error type
