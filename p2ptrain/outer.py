@@ -18,37 +18,14 @@ import torch
 
 from p2ptrain.averaging.compression import WireCodec, wire_parts, wire_residual_
 from p2ptrain.averaging.robust import robust_aggregate, weight_cap
-from p2ptrain.finite import all_finite
-
-
-CHUNK_VALUES = 1 << 18
-"""The CPU steps a tensor in pieces of this many values, each piece through all the step's ops before the next: a
-piece's parameters, momenta and update (1 MiB each in fp32) stay in a core's 2 MiB L2 cache between the ops, instead
-of each op reading and writing the whole model from memory. 30M values: 0.030 s against 0.071-0.080 s on this
-machine's CPU, and the same bits (the same elementwise ops in the same order, for every value)."""
-
-
-def _pieces(*tensors: torch.Tensor):
-    """The tensors' flat views, side by side, in ``CHUNK_VALUES`` pieces (plain CPU tensors, contiguous); else the
-    whole tensors (on a device, one kernel per op is the fast way; a subclass such as DTensor may not view alike)."""
-    if all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.is_contiguous()
-           for t in tensors):
-        return zip(*(t.view(-1).split(CHUNK_VALUES) for t in tensors))
-    return ((*tensors,),)
 
 
 @torch.no_grad()
 def pseudo_gradient_(out: Sequence[torch.Tensor], global_params: Sequence[torch.Tensor],
-                     params: Sequence[torch.Tensor]) -> bool:
-    """``out[i] = global_params[i] - params[i]``, in ``out``'s dtype and device (the averager's fp32 CPU buffers).
-    Whether every value is finite, checked piece by piece as it is written (``all_finite``'s one read, from the cache:
-    on the CPU in ``CHUNK_VALUES`` pieces, like the outer step)."""
-    finite = True
+                     params: Sequence[torch.Tensor]) -> None:
+    """``out[i] = global_params[i] - params[i]``, in ``out``'s dtype and device (the averager's fp32 CPU buffers)."""
     for buffer, g, p in zip(out, global_params, params, strict=True):
-        for buffer_piece, g_piece, p_piece in _pieces(buffer, g, p.detach().to(buffer.device, buffer.dtype)):
-            torch.sub(g_piece, p_piece, out=buffer_piece)
-            finite = finite and all_finite(buffer_piece)
-    return finite
+        torch.sub(g, p.detach().to(buffer.device, buffer.dtype), out=buffer)
 
 
 @torch.no_grad()
@@ -134,13 +111,13 @@ def outer_step_(outer_optimizer: torch.optim.Optimizer, global_params: Sequence[
     group = outer_optimizer.param_groups[0]
     if (is_plain_or_nesterov_sgd(outer_optimizer) and not group.get("fused") and not group.get("differentiable")
             and not isinstance(group["lr"], torch.Tensor)):
-        sgd_step_in_place_(outer_optimizer, global_params, average, params)
-        return
-    for g, gradient in zip(global_params, average, strict=True):
-        g.grad = gradient
-    outer_optimizer.step()
-    for g in global_params:
-        g.grad = None
+        sgd_step_in_place_(outer_optimizer, global_params, average)
+    else:
+        for g, gradient in zip(global_params, average, strict=True):
+            g.grad = gradient
+        outer_optimizer.step()
+        for g in global_params:
+            g.grad = None
     if params is not None:
         for p, g in zip(params, global_params, strict=True):
             p.copy_(g)
@@ -148,7 +125,7 @@ def outer_step_(outer_optimizer: torch.optim.Optimizer, global_params: Sequence[
 
 @torch.no_grad()
 def sgd_step_in_place_(outer_optimizer: torch.optim.SGD, global_params: Sequence[torch.Tensor],
-                       average: Sequence[torch.Tensor], params: Optional[Sequence[torch.Tensor]] = None) -> None:
+                       average: Sequence[torch.Tensor]) -> None:
     """``outer_optimizer.step()`` with ``average`` as the gradients of ``global_params`` (tensors of its one param
     group, of which ``is_plain_or_nesterov_sgd`` holds), the Nesterov update written into ``average``: torch's
     single-tensor SGD allocates ``grad + momentum * m'`` anew for every tensor at every step (486 MB in all at the
@@ -156,33 +133,19 @@ def sgd_step_in_place_(outer_optimizer: torch.optim.SGD, global_params: Sequence
     order as torch's single-tensor step (its foreach step runs them per tensor on CPU): the same bits. The buffers
     live in the optimizer's state where torch keeps them (its SGD keeps no step count), so ``state_dict``,
     ``load_state_dict`` and ``momentum_buffers`` see no difference. No device is assumed: it runs where the tensors
-    are, on the CPU in pieces (``CHUNK_VALUES``). ``params``: the model's copy of the global parameters, written in
-    the same pass where it is a CPU tensor of the same shape (else copied after)."""
+    are."""
     group = outer_optimizer.param_groups[0]
     lr, momentum = group["lr"], group["momentum"]  # read at each step: an LR schedule rescales lr (scale_lrs)
-    for index, (g, gradient) in enumerate(zip(global_params, average, strict=True)):
-        buffer, first = None, False
+    for g, gradient in zip(global_params, average, strict=True):
         if momentum != 0:
             state = outer_optimizer.state[g]
             buffer = state.get("momentum_buffer")
             if buffer is None:  # torch's first step: the buffer is the gradient itself
                 buffer = state["momentum_buffer"] = gradient.clone()
-                first = True
-        p = params[index] if params is not None else None
-        fused_copy = p is not None and p.shape == g.shape and p.device.type == "cpu" and p.is_contiguous()
-        tensors = [g, gradient] + ([buffer] if buffer is not None else []) + ([p] if fused_copy else [])
-        for piece in _pieces(*tensors):
-            g_piece, gradient_piece, rest = piece[0], piece[1], list(piece[2:])
-            if buffer is not None:
-                buffer_piece = rest.pop(0)
-                if not first:
-                    buffer_piece.mul_(momentum).add_(gradient_piece)
-                gradient_piece.add_(buffer_piece, alpha=momentum)
-            g_piece.add_(gradient_piece, alpha=-lr)
-            if rest:
-                rest[0].copy_(g_piece)
-        if p is not None and not fused_copy:
-            p.copy_(g)
+            else:
+                buffer.mul_(momentum).add_(gradient)
+            gradient.add_(buffer, alpha=momentum)
+        g.add_(gradient, alpha=-lr)
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ import torch
 
 from p2ptrain.averaging.sparse import accumulate_, send_
 from p2ptrain.diloco.context import PeerState
+from p2ptrain.finite import all_finite_many
 from p2ptrain.outer import add_error_feedback_, momentum_buffers, pseudo_gradient_, stepped_state_
 
 logger = logging.getLogger("p2ptrain.diloco")  # the optimizer's logger: one name for the whole optimizer
@@ -32,7 +33,8 @@ class Contribution:
         indices = range(len(s.global_params)) if indices is None else indices
         with s.averager.get_tensors() as all_buffers:
             buffers = [all_buffers[i] for i in indices]
-            if not pseudo_gradient_(buffers, [s.global_params[i] for i in indices], [s.params[i] for i in indices]):
+            pseudo_gradient_(buffers, [s.global_params[i] for i in indices], [s.params[i] for i in indices])
+            if not all_finite_many(buffers):
                 # local training diverged: contribute nothing (weight 0, zeros) but still take the group's average,
                 # which puts this peer back on the shared parameters; the group is not kept waiting for us
                 residuals = [] if s.residuals is None else [s.residuals[i] for i in indices]

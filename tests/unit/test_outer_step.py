@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from p2ptrain import outer
 from p2ptrain.outer import is_plain_or_nesterov_sgd, make_outer_optimizer, outer_step_
 from p2ptrain.schedules import scale_lrs
 
@@ -159,41 +158,3 @@ def test_a_subclass_of_sgd_is_another_optimizer():
     assert not is_plain_or_nesterov_sgd(outer)
     outer_step_(outer, params, tensors(1)[:2])
     assert CountingSGD.steps == 1
-
-
-@pytest.mark.parametrize("momentum", [0.9, 0.0])
-def test_the_step_in_pieces_takes_torchs_bits_and_writes_the_models_copy(momentum, monkeypatch):
-    """The CPU steps each tensor in pieces (``outer.CHUNK_VALUES``), writing the model's copy in the same pass: the
-    bits of torch's whole-tensor step, for pieces that cut the tensors anywhere, and every kind of model copy (fp32,
-    bf16, not contiguous: copied after)."""
-    monkeypatch.setattr(outer, "CHUNK_VALUES", 7)
-    start = tensors(0)
-    ours = [torch.nn.Parameter(t.clone()) for t in start]
-    theirs = [torch.nn.Parameter(t.clone()) for t in start]
-    models = [t.to(torch.bfloat16) if i == 1 else t.transpose(0, -1).contiguous().transpose(0, -1) if i == 2 else
-              t.clone() for i, t in enumerate(start)]
-    ours_opt = make_outer_optimizer(ours, lr=0.7, momentum=momentum)
-    theirs_opt = make_outer_optimizer(theirs, lr=0.7, momentum=momentum)
-    for step in range(3):
-        average = tensors(step + 1)
-        for p, grad in zip(theirs, average):
-            p.grad = grad.clone()
-        outer_step_(ours_opt, ours, average, models)
-        theirs_opt.step()
-        for a, b, model in zip(ours, theirs, models):
-            assert torch.equal(a, b), (step, a.shape)
-            assert torch.equal(model, b.detach().to(model.dtype))
-        assert_same_state(ours_opt.state_dict(), theirs_opt.state_dict())
-    assert not models[2].is_contiguous()
-
-
-def test_the_pseudo_gradient_in_pieces_is_exact_and_says_whether_it_is_finite(monkeypatch):
-    monkeypatch.setattr(outer, "CHUNK_VALUES", 5)
-    global_params, params = tensors(0), tensors(1)
-    out = [torch.empty_like(t) for t in global_params]
-    assert outer.pseudo_gradient_(out, global_params, params)
-    assert all(torch.equal(o, g - p) for o, g, p in zip(out, global_params, params))
-    params[3][-1] = float("nan")  # in the last piece of a tensor
-    assert not outer.pseudo_gradient_(out, global_params, params)
-    params[3][-1], params[0][10, 3] = 0.0, float("inf")
-    assert not outer.pseudo_gradient_(out, global_params, params)
