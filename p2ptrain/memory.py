@@ -13,7 +13,8 @@ per rank, on its device (the model is sharded over ``shard`` ranks; ``b`` sequen
   * 10% for allocator fragmentation
 
 on the leader's host, the swarm side (fp32, never on the GPU):
-  * global parameters, outer momentum and the averager's buffers: 12 bytes x N
+  * global parameters, outer momentum and the averager's buffers: 12 bytes x N; and the butterfly's outputs, which
+    the averager keeps between rounds (averaging/flat_outputs.py): 4 bytes x N
   * the donor's snapshot for newcomers and the averager's copy of it while serving: 2 x 16 bytes x N (global
     parameters, momentum and the inner AdamW moments)
   * with several ranks, the full fp32 proxy the sync gathers into and its copy of the inner moments: 12 bytes x N
@@ -103,7 +104,7 @@ def estimate_memory(config: Union[GPTConfig, "ModelSpec"], batch_size: int, worl
     if not cuda:
         host += world * rank
     state = 8 * n if mixing else 0
-    host += 16 * n if sparse else 0
+    host += 16 * n if sparse else 4 * n  # sparse rounds decode no butterfly outputs (mixing rounds aside)
     return MemoryEstimate(parameters=n, rank_bytes=rank, host_bytes=host + state,
                           shm_bytes=4 * n + state + 2 * snapshot)
 
