@@ -111,9 +111,9 @@ class OutputBufferSlot:
 
     def take(self, numel: int) -> Optional[torch.Tensor]:
         """The kept buffer if it holds ``numel`` values (it is then no longer kept), else None."""
+        if self._buffer is None or self._buffer.numel() != numel:
+            return None
         buffer, self._buffer = self._buffer, None
-        if buffer is not None and buffer.numel() != numel:
-            self._buffer, buffer = buffer, None
         return buffer
 
     def keep(self, buffer: torch.Tensor) -> None:
