@@ -3,9 +3,9 @@
 hivemind has no public hooks for what p2ptrain changes in its averaging (a group target per round, bit-identical
 results, bans, state transfer in chunks, socket clean-up), so p2ptrain subclasses its classes and reaches into
 them. Every such name is listed here with where it is used and why. The reaching in happens here too (the
-accessors and ``SteeredMatchmaking`` below); what stays in the subclasses is the methods they override, which are
-listed as well. ``missing_touch_points`` says which of them the
-installed hivemind lacks; ``check_hivemind`` refuses to start on such a hivemind with one line naming the fix, and
+accessors below; the matchmaking's hooks in averaging/matchmaking.py); what stays in the subclasses is the methods
+they override, which are listed as well. ``missing_touch_points`` says which of them the installed hivemind lacks;
+``check_hivemind`` refuses to start on such a hivemind with one line naming the fix, and
 tests/unit/test_hivemind_compat.py has a test per touch point. Upgrading hivemind starts here: read what changed in
 these names, then run that test.
 """
@@ -18,19 +18,18 @@ import functools
 import importlib
 import importlib.util
 import inspect
-import math
 import re
 import sys
-import time
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import psutil
 
 from p2ptrain.lifeline import remove_files
-from p2ptrain.lookup_pace import group_lookup_gaps
 
 SUPPORTED_HIVEMIND = "1.1.12"
+JOIN_POLL_S = 0.05
+"""how often a part stream for a group not registered here asks whether this peer can still be in it"""
 
 
 @dataclass(frozen=True)
@@ -108,30 +107,35 @@ TOUCH_POINTS: Tuple[TouchPoint, ...] = (
                "the DHT process reads its commands whole messages at a time (swarm/pipe.py)"),
     TouchPoint("hivemind.dht.dht.DHT", "_outer_pipe", "attribute", "swarm/dht.py",
                "commands are written one at a time across processes, and never wait on a dead DHT process"),
-    TouchPoint(_MATCHMAKING, "_request_join_group", "method", "averaging/averager.py",
+    TouchPoint(_MATCHMAKING, "_request_join_group", "method", "averaging/matchmaking.py",
                "never ask a banned peer to lead our group", ("self", "leader")),
-    TouchPoint(_MATCHMAKING, "_check_reasons_to_reject", "method", "averaging/averager.py",
+    TouchPoint(_MATCHMAKING, "_check_reasons_to_reject", "method", "averaging/matchmaking.py",
                "an unexpected follower raises the target instead of taking an expected peer's place",
                ("self", "request", "context")),
-    TouchPoint(_MATCHMAKING, "current_followers", "attribute", "averaging/averager.py",
+    TouchPoint(_MATCHMAKING, "assembled_group", "attribute", "averaging/matchmaking.py",
+               "a peer looking for a group, with no join request out and none assembled, is in no formed group"),
+    TouchPoint(_MATCHMAKING, "lock_looking_for_group", "attribute", "averaging/matchmaking.py",
+               "is_looking_for_group: whether the peer is in a step's matchmaking"),
+    TouchPoint(_MATCHMAKING, "current_followers", "attribute", "averaging/matchmaking.py",
                "a follower that completes the group is not refused for its shorter window"),
     TouchPoint("hivemind.averaging.matchmaking.PotentialLeaders", "declared_expiration_time", "attribute",
-               "averaging/averager.py", "the leader's window, which a follower that completes the group may end before"),
-    TouchPoint(_MATCHMAKING, "target_group_size", "attribute", "averaging/averager.py",
+               "averaging/matchmaking.py",
+               "the leader's window, which a follower that completes the group may end before"),
+    TouchPoint(_MATCHMAKING, "target_group_size", "attribute", "averaging/matchmaking.py",
                "the group starts once it holds the round's target"),
-    TouchPoint(_MATCHMAKING, "min_matchmaking_time", "attribute", "averaging/averager.py", "the round's window"),
-    TouchPoint(_MATCHMAKING, "potential_leaders", "attribute", "averaging/averager.py",
+    TouchPoint(_MATCHMAKING, "min_matchmaking_time", "attribute", "averaging/matchmaking.py", "the round's window"),
+    TouchPoint(_MATCHMAKING, "potential_leaders", "attribute", "averaging/matchmaking.py",
                "its min_matchmaking_time is the round's window too"),
-    TouchPoint(_MATCHMAKING, "group_key_manager", "attribute", "averaging/averager.py, averaging/state_transfer.py",
+    TouchPoint(_MATCHMAKING, "group_key_manager", "attribute", "averaging/matchmaking.py, averaging/state_transfer.py",
                "the group bits are the outer step: hivemind's rewrite after each group is switched off"),
     TouchPoint("hivemind.averaging.key_manager.GroupKeyManager", "update_key_on_group_assembled", "method",
-               "averaging/averager.py", "switched off: hivemind rewrote the group bits after every group",
+               "averaging/matchmaking.py", "switched off: hivemind rewrote the group bits after every group",
                ("self", "group_info")),
     TouchPoint("hivemind.averaging.key_manager.GroupKeyManager", "get_averagers", "method",
-               "averaging/averager.py", "pace matchmaking's lookups of the declared leaders",
+               "averaging/matchmaking.py", "pace matchmaking's lookups of the declared leaders",
                ("self", "group_key", "only_active")),
     TouchPoint("hivemind.averaging.matchmaking.PotentialLeaders", "min_matchmaking_time", "attribute",
-               "averaging/averager.py", "the round's window"),
+               "averaging/matchmaking.py", "the round's window"),
     TouchPoint(_RUNNER, "_communicate_with_peer", "method", "averaging/allreduce.py",
                "our own contribution goes through the codec too, so every member gets the same bits",
                ("self", "peer_id")),
@@ -192,84 +196,6 @@ def check_hivemind() -> None:
                            f"install it with: pip install hivemind=={SUPPORTED_HIVEMIND}")
 
 
-class SteeredMatchmaking:
-    """hivemind's ``Matchmaking`` of one averager (averager process), steered per round by p2ptrain.
-
-    hivemind fixes a group's target size and window when the averager is built; p2ptrain plans them per round from
-    the progress records (``plan``). It also never asks a peer it refuses to lead its group, keeps the group bits it
-    set (hivemind rewrote them after every group: a retry within one step then met peers one outer step ahead), and
-    lets a follower it did not expect raise the target instead of taking an expected peer's place."""
-
-    def __init__(self, matchmaking: Any, refuses_leader: Callable[[Any], bool], lookups: Any = None):
-        self.matchmaking = matchmaking
-        self.expected: set = set()  # base58 ids the target counts, and the unexpected followers accepted since
-        self.cap = 0  # the most members a group may hold (0: no cap)
-        self._gaps, self._gap, self._last_lookup = group_lookup_gaps(), 0.0, -math.inf  # lookups' pace, per step
-        request_join_group = matchmaking._request_join_group
-
-        async def guarded_request_join_group(leader):
-            return None if refuses_leader(leader) else await request_join_group(leader)
-
-        async def keep_group_bits(group_info) -> None:
-            return None
-
-        check_request = matchmaking._check_reasons_to_reject
-        from hivemind.proto import averaging_pb2
-
-        def check_request_counting_the_unexpected(request, context):
-            target, peer = matchmaking.target_group_size, context.remote_id.to_base58()
-            unexpected = target is not None and peer not in self.expected and (not self.cap or target < self.cap)
-            if unexpected:
-                matchmaking.target_group_size = target + 1
-            reason = check_request(request, context)
-            if reason is not None and reason.code == averaging_pb2.BAD_EXPIRATION_TIME and \
-                    matchmaking.target_group_size is not None and \
-                    len(matchmaking.current_followers) + 2 >= matchmaking.target_group_size:
-                # hivemind refuses a follower whose search ends before this leader's window: it might be gone when
-                # the group begins. One that completes the group is in it now, as the group begins at once: a peer
-                # the others had waited for arrived with a window shorter than theirs and was refused until their
-                # windows ran out (a sparse 10 Mbit run: 13-18 s of every round's matchmaking)
-                relaxed = averaging_pb2.JoinRequest()
-                relaxed.CopyFrom(request)
-                relaxed.expiration = matchmaking.potential_leaders.declared_expiration_time
-                reason = check_request(relaxed, context)
-            if unexpected and reason is None:
-                self.expected.add(peer)
-            elif unexpected:
-                matchmaking.target_group_size = target
-            return reason
-
-        key_manager = matchmaking.group_key_manager
-        get_averagers = key_manager.get_averagers
-
-        async def paced_get_averagers(*args, **kwargs):
-            # hivemind asks again as soon as an answer with no leader in it comes back (PotentialLeaders.
-            # pop_next_leader sets update_triggered while its queue is empty): a peer alone in matchmaking made
-            # ~570 lookups a second. Paced by group_lookup_gaps (anew each step, in plan); a leader declared
-            # meanwhile is found at the next one, well inside the round's window
-            wait = self._last_lookup + self._gap - time.monotonic()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            self._last_lookup, self._gap = time.monotonic(), next(self._gaps)
-            if lookups is not None:  # a shared counter (multiprocessing.Value) the host process reads
-                with lookups.get_lock():
-                    lookups.value += 1
-            return await get_averagers(*args, **kwargs)
-
-        matchmaking._request_join_group = guarded_request_join_group
-        key_manager.get_averagers = paced_get_averagers
-        key_manager.update_key_on_group_assembled = keep_group_bits
-        matchmaking._check_reasons_to_reject = check_request_counting_the_unexpected
-
-    def plan(self, target: Optional[int], window_s: float, expected: Collection[str], cap: int) -> None:
-        """For the step about to start: a leader starts its group once it holds ``target`` members (None: when the
-        window ends), a declaration as a potential leader lasts ``window_s``."""
-        self.matchmaking.target_group_size = target
-        self.matchmaking.min_matchmaking_time = self.matchmaking.potential_leaders.min_matchmaking_time = window_s
-        self.expected, self.cap = set(expected), cap
-        self._gaps, self._gap = group_lookup_gaps(), 0.0  # the step's first lookup goes at once
-
-
 def matchmaking_of(averager: Any) -> Any:
     """The averager's hivemind ``Matchmaking`` (made in the averager process when it starts)."""
     return averager._matchmaking
@@ -300,12 +226,18 @@ def register_runner(averager: Any, group_id: bytes, runner: Any) -> None:
     averager._running_groups[group_id].set_result(runner)
 
 
-async def runner_for(averager: Any, group_id: bytes) -> Any:
+async def runner_for(averager: Any, group_id: bytes, in_no_formed_group: Callable[[], bool] = lambda: False) -> Any:
     """The all-reduce runner of a group this averager is in (waiting until it is made), or None: hivemind's
     ``rpc_aggregate_part`` lookup, for the part stream (part_stream.py). A member whose leader's answer is late may
-    hear from the others first: then it waits for the next group it registers."""
-    if group_id not in averager._running_groups:
-        await averager._pending_groups_registered.wait()
+    hear from the others first: then it waits for the next group it registers, unless ``in_no_formed_group`` says
+    that no group formed so far can hold it (``SteeredMatchmaking.in_no_formed_group``): then None at once, and
+    the sender learns within a poll that the leader counted in a member that left."""
+    registered = averager._pending_groups_registered
+    while group_id not in averager._running_groups and not registered.is_set():
+        if in_no_formed_group():
+            return None
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(registered.wait(), JOIN_POLL_S)
     future = averager._running_groups.get(group_id)
     return None if future is None else await future
 

@@ -47,6 +47,7 @@ from p2ptrain.averaging.flat_outputs import FlatOutputs
 from p2ptrain.averaging.norm_check import NormCheck
 from p2ptrain.averaging.receipts import Receipts
 from p2ptrain.averaging.reducer import Reducer
+from p2ptrain.averaging.round import NotInRoundError
 from p2ptrain.averaging.part_stream import open_part_stream
 from p2ptrain.averaging.runner_io import TimedCodec, TimedEncoder, aiter_with_timeouts
 from p2ptrain.clock import PhaseClock
@@ -103,9 +104,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         # the parts of other reducers' ranges we audit after the round, drawn now with our own secret randomness
         self._audit_choice = choose_audits(self.tensor_part_container.num_parts_by_peer,
                                            self.ordered_peer_ids.index(self.peer_id), audit_parts)
-        # fault injection (p2ptrain.faults): SIGKILL this peer after answering that many averaged parts
-        self._die_after_parts = die_after_parts
-        self._parts_answered = 0
+        self._die_after_parts, self._parts_answered = die_after_parts, 0  # faults.py: SIGKILL after that many answers
         # outputs are averages, so a failed reducer's parts must fall back to the local values, not to zero deltas
         self.tensor_part_container.return_deltas = False
         self.bytes_sent, self.bytes_received = 0, 0
@@ -256,7 +255,8 @@ class ExactAllReduceRunner(AllReduceRunner):
             def _try_deserialize(indexed):
                 index, msg = indexed
                 if msg.code != averaging_pb2.AVERAGED_PART:
-                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
+                    raise (NotInRoundError if msg.code == averaging_pb2.BAD_GROUP_ID else AllreduceException)(
+                        f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
                 if index >= expected:
                     return msg, None, f"part #{index}, beyond the {expected} of its range"
                 try:  # into the part's slice of the outputs (a bad answer's range is overwritten with our values)
@@ -308,11 +308,16 @@ class ExactAllReduceRunner(AllReduceRunner):
             if part_index != expected:
                 raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected {expected}")
         except BaseException as e:
-            if isinstance(e, Exception):
+            if isinstance(e, NotInRoundError):  # alive, still looking for its group: the round fails, not it
+                logger.warning(f"Member {peer_id} runs no round of this group (it left matchmaking as the group "
+                               "formed): the round ends now, to be run again with it")
+                if peer_id in self.sender_peer_ids:
+                    await self._ban_sender(peer_id)  # it sends no part either: no START_TIMEOUT_S wait for them
+            elif isinstance(e, Exception):
                 # the range this reducer owes us keeps our own values: say why, so a one-sided round is explained
                 logger.warning(f"Reducer {peer_id} failed mid-round ({e!r}); its range keeps this peer's values")
                 logger.debug(f"Caught {e!r} when communicating to {peer_id}", exc_info=True)
-            if not isinstance(e, asyncio.CancelledError):  # cancelled: the round ended for another reason
+            if not isinstance(e, (asyncio.CancelledError, NotInRoundError)):  # cancelled: ended for another reason
                 self.failed_reducers.add(peer_id)
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise

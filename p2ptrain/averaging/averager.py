@@ -32,6 +32,7 @@ from p2ptrain.averaging.compression import SPARSE, WireCodec, get_compression
 from p2ptrain.averaging.context import AveragerContext
 from p2ptrain.averaging.evidence import BAN_S, Evidence
 from p2ptrain.averaging.flat_outputs import OutputBufferSlot
+from p2ptrain.averaging.matchmaking import SteeredMatchmaking
 from p2ptrain.averaging.part_size import RATE_KEY, round_part_size
 from p2ptrain.averaging.part_stream import LINGER_S, handler_name, serve_part_stream
 from p2ptrain.averaging.plan import RoundReport, SharedRoundPlan
@@ -44,7 +45,7 @@ from p2ptrain.averaging.sparse_round import SparseGather
 from p2ptrain.averaging.state_donor import StateDonor
 from p2ptrain.averaging.state_transfer import DownloadedState, StateDownload
 from p2ptrain.faults import fault_from_env
-from p2ptrain.hivemind_compat import (SteeredMatchmaking, check_hivemind, current_state_from_host, group_key_prefix,
+from p2ptrain.hivemind_compat import (check_hivemind, current_state_from_host, group_key_prefix,
                                       matchmaking_of, p2p_of, register_runner, send_to_averager_process)
 from p2ptrain.proto import p2ptrain_pb2
 from p2ptrain.security import SwarmAuth
@@ -99,7 +100,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         # the host sets the plan before each step (set_round_plan); the averager process reads it when the step starts
         self.plan = SharedRoundPlan(self.matchmaking_kwargs["min_matchmaking_time"])
         self.report = RoundReport()  # incomplete rounds, their failed members, group lookups: the host reads them
-        self._steered: Optional[SteeredMatchmaking] = None  # averager process: its matchmaking, steered per round
+        self.steered: Optional[SteeredMatchmaking] = None  # averager process: its matchmaking, steered per round
         self._running_step = None  # averager process: the StepControl of the step in progress
         self.output_buffer = OutputBufferSlot()  # averager process: a round decodes its averages there (flat_outputs)
         # mixing groups: the stepped global parameters, then the stepped outer momenta (``outer.stepped_state_``),
@@ -310,10 +311,9 @@ class PseudoGradientAverager(DecentralizedAverager):
 
     async def _step(self, **kwargs):
         # this round's plan (set_round_plan), read once per step, before matchmaking
-        if self._steered is None:
-            self._steered = SteeredMatchmaking(matchmaking_of(self), refuses_leader=self.is_banned,
-                                               lookups=self.report.group_lookups)
-        self.plan.steer(self._steered)
+        if self.steered is None:
+            self.steered = SteeredMatchmaking(matchmaking_of(self), self.is_banned, self.report.group_lookups)
+        self.plan.steer(self.steered)
         self._running_step = kwargs.get("step")
         self.evidence.watch()  # from the first round on: other peers' catches exclude reducers here too
         try:

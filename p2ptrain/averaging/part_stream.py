@@ -206,7 +206,8 @@ async def serve_part_stream(averager, stream_info, reader: asyncio.StreamReader,
             return
         except asyncio.IncompleteReadError:
             return
-        runner = await runner_for(averager, group_id)
+        steered = averager.steered  # a peer whose matchmaking left the group as it formed answers at once
+        runner = await runner_for(averager, group_id, steered.in_no_formed_group if steered else lambda: False)
         if runner is None:
             write_frame(writer, *message_frame(averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)))
             await _answer_and_linger(reader, writer)

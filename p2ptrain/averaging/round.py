@@ -50,6 +50,10 @@ class IncompleteRoundError(AllreduceException):
     """A group formed but the round did not finish on every part (a member died or timed out mid-round)."""
 
 
+class NotInRoundError(AllreduceException):
+    """A member answered that it runs no round of this group: its matchmaking left as the leader counted it in."""
+
+
 PROTOCOL_VERSION = 11
 """What peers must agree on beyond the codec to average together; bumped when a round's meaning changes.
 2: digests of the global parameters are sha256 (they were blake2b). 3: join requests carry an admission token,
