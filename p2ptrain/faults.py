@@ -9,9 +9,11 @@ So the chaos tests tell the victim where to die, through one environment variabl
 
 The peer then dies (SIGKILL of its main process and every child: DHT, averager, p2pd, as when the host crashes):
 
-* ``kill-mid-allreduce``: while it reduces the round that starts from ``outer_step``, right after it has answered
-  ``parts`` (default 1) tensor parts to its senders: some senders hold its averages, the others never will
-  (``@any``: in the first round it reduces, whatever its outer step: a newcomer's, which starts where the swarm is);
+* ``kill-mid-allreduce``: while it reduces the first round it takes part in from ``outer_step`` on, right after it
+  has answered ``parts`` (default 1) tensor parts to its senders: some senders hold its averages, the others never
+  will. From that step on, not at it alone: a victim that came late to that round was left out of it by design, and
+  lived (CI, test_chaos_swarm). ``@any``: in the first round it reduces, whatever its outer step (a newcomer's,
+  which starts where the swarm is);
 * ``kill-mid-state-transfer``: as a donor, right after it has served ``chunks`` (default 1) chunks of its state
   to newcomers, so a transfer has to resume from other donors.
 

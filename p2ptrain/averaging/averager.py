@@ -333,8 +333,8 @@ class PseudoGradientAverager(DecentralizedAverager):
         try:
             gathered, download_bandwidths = read_gathered(self.serializer, group_info)
             mine = gathered.get(self.peer_id.to_base58(), {})
-            fault = self._fault  # fault injection: die mid-round, in the round of that outer step (-1: any)
-            if fault and fault.kind == "allreduce" and fault.outer_step in (-1, mine.get("outer_step")):
+            fault = self._fault  # fault injection: die mid-round, in a round from that outer step on (-1: any)
+            if fault and fault.kind == "allreduce" and mine.get("outer_step", -1) >= fault.outer_step:
                 kwargs["die_after_parts"] = fault.count
             # the fragment this round averages (every member set the same: it is part of the group key)
             fragment = self.fragments[self.plan.fragment]
