@@ -39,8 +39,8 @@ otherwise waits for it at every fragment's apply step"""
 CLEAR_DROP = 0.4
 """a look that wants the step count lowered by more than this fraction of it moves it at once: a peer 2x slower than
 the others is no noise, and the second look cost the fast peers a whole phase of waiting (44 s of a 70 s phase, in
-the benchmark's first rounds); speeding up, and smaller moves, still take two looks. One look moves it at most to
-half: a phase that met a one-off stall (start-up, a state download, another process's burst) once measured 9.82x and
+the benchmark's first rounds); speeding up, and smaller moves, still take more looks. One look moves it at most to
+half (and, if it wanted more, counts as the first of the next pair): a phase that met a one-off stall (start-up, a state download, another process's burst) once measured 9.82x and
 cut H to 2, and the peer chased the swarm for the rest of the run (issue 34); a peer that slow halves again at its
 next look"""
 LOOKS_TO_RAISE = 3
@@ -105,7 +105,10 @@ class Pace:
         elif len(self._wanted) >= LOOKS_TO_LOWER:
             self.steps, self._wanted = round(statistics.mean(self._wanted)), []
         elif want < (1 - CLEAR_DROP) * self.steps:
-            self.steps, self._wanted = max(want, self.steps // 2), []
+            self.steps = max(want, self.steps // 2)
+            # a look that wanted more than the halving gave still counts: the next look that wants fewer steps makes
+            # the pair (CI: a 4x slower peer halved to 20, then read 3.3x, 12 wanted, and waited a third look)
+            self._wanted = [want] if want < self.steps else []
         return self.steps
 
     def advance(self, local_step: int) -> int:

@@ -90,3 +90,17 @@ def test_a_raise_goes_to_the_fewest_steps_its_looks_wanted():
     assert pace.update(0.22, 0.1) == 18  # 18 wanted: three looks want more, and 18 is the least of them
     assert pace.update(0.29, 0.1) == 18  # 14 wanted once: could be noise
     assert pace.update(0.10, 0.1) == 18  # the other way: starts over
+
+
+def test_a_look_the_halving_held_back_counts_toward_the_next_pair():
+    """CI, 2 cores shared with another swarm: a 4x slower peer halved from 40 to 20 steps at its first look (10
+    wanted), then read 3.3x (12 wanted, not 40% below 20) and waited a third look; its fast partner waited for it."""
+    pace = Pace(local_steps=40)
+    assert pace.update(0.4, 0.1) == 20  # 10 wanted: half at most
+    assert pace.update(0.33, 0.1) == 11  # 12 wanted: with the first look, two in a row; the mean
+    pace = Pace(local_steps=40)
+    assert pace.update(0.2, 0.1) == 20  # 20 wanted and given: nothing held back
+    assert pace.update(0.267, 0.1) == 20  # 15 wanted once: could be noise
+    pace = Pace(local_steps=10)
+    assert pace.update(0.982, 0.1) == 5  # a stall: 2 wanted, held back at 5
+    assert pace.update(0.1, 0.1) == 5  # as fast: the other way, the pair is broken
