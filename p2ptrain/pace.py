@@ -16,9 +16,9 @@ at two phase ends in a row (at the first, when it wants it lowered by more than 
 moves down again when two looks in a row want it lowered by more than ``TOLERANCE`` of itself, to the mean of what
 they wanted; up only when ``LOOKS_TO_RAISE`` looks in a row want it raised, to the least of what they wanted. The two
 ways cost differently: a count too high holds the fast peers up at every sync, one too low costs this peer only some
-of its own samples; and under a shared CPU one look can read 1.2x for a peer that is 2x slower. A step time, not a peer's progress through the
-phases: a fast peer that waits for a slow one at every sync moves through the phases as slowly as that one. Plain
-values: no torch, no network.
+of its own samples; and under a shared CPU one look can read 1.2x for a peer that is 2x slower. A step time, not a
+peer's progress through the phases: a fast peer that waits for a slow one at every sync moves through the phases as
+slowly as that one. Plain values: no torch, no network.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ CLEAR_DROP = 0.4
 """a look that wants the step count lowered by more than this fraction of it moves it at once: a peer 2x slower than
 the others is no noise, and the second look cost the fast peers a whole phase of waiting (44 s of a 70 s phase, in
 the benchmark's first rounds); speeding up, and smaller moves, still take more looks. One look moves it at most to
-half (and, if it wanted more, counts as the first of the next pair): a phase that met a one-off stall (start-up, a state download, another process's burst) once measured 9.82x and
-cut H to 2, and the peer chased the swarm for the rest of the run (issue 34); a peer that slow halves again at its
-next look"""
+half (and, if it wanted more, counts as the first of the next pair): a phase that met a one-off stall (start-up, a
+state download, another process's burst) once measured 9.82x and cut H to 2, and the peer chased the swarm for the
+rest of the run (issue 34); a peer that slow halves again at its next look"""
 LOOKS_TO_RAISE = 3
 """phase ends in a row that must want more steps before the count goes up. Two were not enough: on 2 cores shared
 with another test's swarm a 2x slower peer measured 1.2x at two looks in a row, between looks of 2.9x and 2.2x, and

@@ -278,6 +278,44 @@ def three_fp16_averagers(nodes, prefix: str, **timeouts) -> list:
             for i, node in enumerate(nodes)]
 
 
+def round_with_a_missing_member(averagers: list, step_timeout_s: float, last_starts_later_s: float = 0.0) -> dict:
+    """Start the three averagers (group bits and a plan for a group of 3 in a 4 s window) and one step on each, the
+    third member's window ``last_starts_later_s`` later; its step is not waited for. Members 0 and 1's outcomes
+    (``outcomes[i]``: the result or the exception) and seconds (``outcomes[i, "s"]``)."""
+    from hivemind.utils import get_dht_time
+
+    for averager in averagers:
+        averager.start_in_background(timeout_s=30)
+        averager.set_group_bits("00000001")
+        averager.set_round_plan(window_s=4.0, target_group_size=3)
+    outcomes = {}
+    scheduled = get_dht_time() + 4.0
+
+    def step(i: int) -> None:
+        started = time.monotonic()
+        start = scheduled + (last_starts_later_s if i == 2 else 0.0)
+        control = averagers[i].step(gather={"i": i}, weight=1.0, scheduled_time=start, timeout=step_timeout_s,
+                                    allow_retries=False, wait=False)
+        if i == 2:
+            return  # the missing member's step does not end with the others': not waited for
+        try:
+            outcomes[i] = control.result(timeout=60.0)
+        except Exception as e:
+            outcomes[i] = e
+        outcomes[i, "s"] = time.monotonic() - started
+
+    run_threads(partial(step, 0), partial(step, 1), partial(step, 2))
+    return outcomes
+
+
+def assert_nothing_applied(averagers: list, outcomes: dict) -> None:
+    """Members 0 and 1 found the round incomplete and kept their own tensors."""
+    for i in (0, 1):
+        assert isinstance(outcomes[i], Exception), outcomes
+        with averagers[i].get_tensors() as (tensor,):
+            assert torch.equal(tensor, torch.full((FP16_VALUES,), float(i)))
+
+
 @pytest.mark.slow  # 13 s: the default suite reached 9:46 of its 10 minutes on 2 cores (CI runs it after)
 def test_every_sender_hangs_up_on_its_reducers_once_it_holds_their_averages(dhts):
     """Protocol 6: a reducer holds each sender's stream open after its last average until the sender hangs up
@@ -325,8 +363,6 @@ def test_a_member_counted_into_the_group_that_never_runs_the_round_costs_seconds
     range (reducer_timeout). A member that sends nothing START_TIMEOUT_S into the all-reduce is left out, and one
     that answers no part of its range in twice that is a failed reducer: the honest members' round fails fast,
     names the deserter (the host re-runs it without it) and leaves their tensors as they were."""
-    from hivemind.utils import get_dht_time
-
     from p2ptrain.averaging import allreduce
     from p2ptrain.averaging.averager import PseudoGradientAverager
 
@@ -345,33 +381,12 @@ def test_a_member_counted_into_the_group_that_never_runs_the_round_costs_seconds
     # a range for every member, the deserter's too
     averagers = three_fp16_averagers(nodes, "desert_diloco", allreduce_timeout=300.0, next_chunk_timeout=100.0)
     try:
-        for averager in averagers:
-            averager.start_in_background(timeout_s=30)
-            averager.set_group_bits("00000001")
-            averager.set_round_plan(window_s=4.0, target_group_size=3)
-        outcomes = {}
-        scheduled = get_dht_time() + 4.0
-
-        def step(i: int) -> None:
-            started = time.monotonic()
-            control = averagers[i].step(gather={"i": i}, weight=1.0, scheduled_time=scheduled, timeout=300.0,
-                                        allow_retries=False, wait=False)
-            if i == 2:
-                return  # the deserter's step never ends: not waited for
-            try:
-                outcomes[i] = control.result(timeout=60.0)
-            except Exception as e:
-                outcomes[i] = e
-            outcomes[i, "s"] = time.monotonic() - started
-
-        run_threads(partial(step, 0), partial(step, 1), partial(step, 2))
+        outcomes = round_with_a_missing_member(averagers, step_timeout_s=300.0)  # the deserter's step never ends
+        assert_nothing_applied(averagers, outcomes)  # the round was not complete
         deserter = averagers[2].peer_id.to_base58()
         for i in (0, 1):
-            assert isinstance(outcomes[i], Exception), outcomes  # nothing applied: the round was not complete
             assert outcomes[i, "s"] < 30.0, outcomes  # the start timeouts (3 s, 6 s), not 100-300 s
             assert deserter in averagers[i].last_failed_members, (averagers[i].last_failed_members, outcomes)
-            with averagers[i].get_tensors() as (tensor,):
-                assert torch.equal(tensor, torch.full((FP16_VALUES,), float(i)))
     finally:
         for averager in averagers:
             averager.shutdown()
@@ -386,10 +401,8 @@ def test_a_member_that_left_matchmaking_as_the_group_formed_ends_the_round_at_on
     applied, without naming it among the failed (the host's retry counts it in again)."""
     from hivemind.averaging.matchmaking import Matchmaking
     from hivemind.proto import averaging_pb2
-    from hivemind.utils import get_dht_time
 
     from p2ptrain.averaging import allreduce
-    from p2ptrain.averaging.averager import PseudoGradientAverager
 
     nodes = dhts(3)
     leaver_id = nodes[2].peer_id
@@ -411,34 +424,13 @@ def test_a_member_that_left_matchmaking_as_the_group_formed_ends_the_round_at_on
     monkeypatch.setattr(allreduce, "START_TIMEOUT_S", 30.0)
     averagers = three_fp16_averagers(nodes, "leaver_diloco", allreduce_timeout=300.0, next_chunk_timeout=100.0)
     try:
-        for averager in averagers:
-            averager.start_in_background(timeout_s=30)
-            averager.set_group_bits("00000001")
-            averager.set_round_plan(window_s=4.0, target_group_size=3)
-        outcomes = {}
-        scheduled = get_dht_time() + 4.0
-
-        def step(i: int) -> None:
-            started = time.monotonic()
-            # the leaver's window ends last: it never leads, it follows
-            control = averagers[i].step(gather={"i": i}, weight=1.0, scheduled_time=scheduled + (i == 2),
-                                        timeout=30.0, allow_retries=False, wait=False)
-            if i == 2:
-                return  # it looks on until its timeout: not waited for
-            try:
-                outcomes[i] = control.result(timeout=60.0)
-            except Exception as e:
-                outcomes[i] = e
-            outcomes[i, "s"] = time.monotonic() - started
-
-        run_threads(partial(step, 0), partial(step, 1), partial(step, 2))
+        # the leaver's window ends last: it never leads, it follows; it looks on until its timeout
+        outcomes = round_with_a_missing_member(averagers, step_timeout_s=30.0, last_starts_later_s=1.0)
+        assert_nothing_applied(averagers, outcomes)  # the round was not complete
         leaver = averagers[2].peer_id.to_base58()
         for i in (0, 1):
-            assert isinstance(outcomes[i], Exception), outcomes  # nothing applied: the round was not complete
             assert outcomes[i, "s"] < 15.0, outcomes  # the window (4 s) and a second, not START_TIMEOUT_S (30 s)
             assert leaver not in averagers[i].last_failed_members, (averagers[i].last_failed_members, outcomes)
-            with averagers[i].get_tensors() as (tensor,):
-                assert torch.equal(tensor, torch.full((FP16_VALUES,), float(i)))
     finally:
         for averager in averagers:
             averager.shutdown()
