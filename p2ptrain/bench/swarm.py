@@ -47,6 +47,9 @@ class BenchConfig:
     overlap_steps: int = 0
     throttle: float = 1.0
     """the last worker is made this many times slower (join --throttle): peers of different speeds"""
+    adaptive_steps: bool = True
+    """False: every worker takes every inner step of a phase (join --no-adaptive-steps), as the convergence
+    experiment's simulation does"""
     cpu_per_peer: Optional[float] = None
     """each worker (with its p2pd) limited to this many CPUs by a cgroup quota (``cpu.CpuQuota``); None: the workers
     share the host's cores as the scheduler pleases"""
@@ -119,6 +122,7 @@ def run_config(cfg: BenchConfig, out: Path, topology: Optional[Topology], progre
                 "--until-outer-step", str(cfg.outer_steps), "--compression", cfg.compression,
                 "--fragments", str(cfg.fragments), "--overlap-steps", str(cfg.overlap_steps),
                 "--throttle", str(cfg.throttle if i == cfg.peers else 1.0),
+                *([] if cfg.adaptive_steps else ["--no-adaptive-steps"]),
                 *_grouping_flags(cfg, i),
                 "--averaging-timeout", "600", "--threads", "1", "--no-progress", "--log-interval", "30",
                 "--eval-batches", str(cfg.eval_batches),
