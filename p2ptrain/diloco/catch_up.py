@@ -92,17 +92,18 @@ class CatchUp:
         instead of late, where the round would wait for it or leave it out again; its pseudo-gradient then holds
         fewer inner steps (the norm check scales with them)."""
         s = self.state
-        steps = [r.local_step for r in self.reporter.progress.others(5.0) if r.outer_step == s.outer_step]
+        ahead = [r.local_step for r in self.reporter.progress.others(5.0) if r.outer_step == s.outer_step]
         next_sync = (s.local_step // s.local_steps + 1) * s.local_steps
         if s.plan.streaming:
             # never skip a fragment's launch step (its round would start without us), nor the apply step of the
-            # round it joined (it applies it there, like the donors)
+            # round it joined (it applies it there, like the donors; at it already: it stays, and applies it next)
             phase_start = next_sync - s.local_steps
-            steps = [phase_start + s.plan.launch_at(f) for f in range(s.plan.fragments)]
+            stops = [phase_start + s.plan.launch_at(f) for f in range(s.plan.fragments)]
             if s.in_flight is not None:
-                steps.append(apply_step(s.plan, s.in_flight.fragment, s.in_flight.local_step))
-            next_sync = min([step for step in steps if step > s.local_step], default=next_sync)
-        target = min(max(steps, default=-1), next_sync - 1)
+                due = apply_step(s.plan, s.in_flight.fragment, s.in_flight.local_step)
+                stops.append(max(due, s.local_step + 1))
+            next_sync = min([step for step in stops if step > s.local_step], default=next_sync)
+        target = min(max(ahead, default=-1), next_sync - 1)
         if target > s.local_step:
             logger.info(f"{s.tag()} the swarm is {target - s.local_step} inner step(s) further in this phase "
                         "than the state it took: skipping them, to reach the sync point together")

@@ -231,6 +231,12 @@ class StreamingSync:
         """Wait for ``fragment``'s round and apply it: the outer step on its global values, merged into the model's."""
         with self.state.sync_lock:  # the training thread, or shutdown() from another one: once
             self._finish_locked(fragment)
+            # a round that found this peer behind took the state, and may have joined the donors' round at its apply
+            # step already (a donor trains on there while it runs): apply that one now too, before a launch can come
+            round_ = self.state.in_flight
+            while round_ is not None and self.state.local_step >= self._apply_step_of(round_):
+                self._finish_locked(round_.fragment)
+                round_ = self.state.in_flight
 
     @torch.no_grad()
     def _finish_locked(self, fragment: int) -> None:

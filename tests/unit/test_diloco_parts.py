@@ -136,12 +136,12 @@ class FakeAverager:
         return self.downloaded
 
 
-def peer_state(local_steps=4, fragments=1, **fields) -> PeerState:
+def peer_state(local_steps=4, fragments=1, overlap_steps=0, **fields) -> PeerState:
     params = [torch.nn.Parameter(torch.tensor([1.0, 2.0])), torch.nn.Parameter(torch.tensor([[3.0]]))]
     global_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
     state = PeerState(params=params, global_params=global_params, inner_optimizer=torch.optim.SGD(params, lr=0.1),
                       outer_optimizer=torch.optim.SGD(global_params, lr=1.0), averager=FakeAverager([(2,), (1, 1)]),
-                      plan=FragmentPlan.build([2, 1], local_steps, fragments, 0, 0.5), local_steps=local_steps,
+                      plan=FragmentPlan.build([2, 1], local_steps, fragments, overlap_steps, 0.5), local_steps=local_steps,
                       peer_id="peer-A", run_id="run", **fields)
     state.digest = state.global_digest()
     return state
@@ -162,14 +162,16 @@ class FakeProgress:
 
 
 class FakeRounds:
-    """Answers every round with ``outcome``, and records what it was asked."""
+    """Answers every round with ``outcome`` (after the ``first`` outcomes, in order), and records what it was
+    asked."""
 
-    def __init__(self, outcome=RoundOutcome(Outcome.ALONE, 1)):
+    def __init__(self, outcome=RoundOutcome(Outcome.ALONE, 1), first=()):
         self.outcome, self.runs, self.peers_seen, self.is_behind = outcome, [], [], False
+        self.first = list(first)
 
     def run(self, weight, position, **kwargs):
         self.runs.append((weight, position, kwargs))
-        return self.outcome
+        return self.first.pop(0) if self.first else self.outcome
 
     def outlook(self, position):
         return None
@@ -281,6 +283,61 @@ def test_catch_up_fast_forwards_to_the_donors_local_step_and_records_it():
     assert catch_up.due()
     catch_up.no_donor_at_outer_step = state.outer_step
     assert not catch_up.due()
+
+
+def streaming_catch_up(state: PeerState, donors_at: int) -> CatchUp:
+    """A catch-up whose donors, at local step ``donors_at``, are in fragment 0's round launched at step 2."""
+    reporter = reporter_of(state)
+    reporter.progress.records = [SimpleNamespace(outer_step=0, local_step=donors_at)]
+
+    def load_state_from_peers(timeout_s):
+        state.local_step, state.donor_in_flight = donors_at, (0, 2)
+        return True
+
+    return CatchUp(state, SimpleNamespace(load_state_from_peers=load_state_from_peers), Contribution(state), reporter,
+                   FakeRounds(), apply=None, join_fragment=lambda fragment, launched_at: setattr(
+                       state, "in_flight", SimpleNamespace(fragment=fragment, local_step=launched_at)),
+                   download_timeout_s=1.0, mid_phase=True)
+
+
+@pytest.mark.parametrize("donors_at", [2, 4])
+def test_a_streaming_catch_up_skips_to_the_donors_step_and_never_past_the_joined_rounds_apply_step(donors_at):
+    """8 steps, 2 fragments, overlap 2: fragment 0 launches at step 2 and is applied at 4, fragment 1 launches at 6.
+    A peer that took the state at the donors' step stays there: at 2 (before, it went to the next stop less one, 3,
+    wherever the donors were), and at 4 itself, where a donor trains on while fragment 0's round runs (before, it
+    skipped to 5: past the apply step, and it launched fragment 1's round at 6 with fragment 0's still in flight)."""
+    state = peer_state(local_steps=8, fragments=2, overlap_steps=2)
+    assert streaming_catch_up(state, donors_at).catch_up()
+    assert state.local_step == donors_at and state.in_flight.local_step == 2
+
+
+def test_a_catch_up_that_joins_a_round_at_its_apply_step_applies_it_before_the_next_launch():
+    """Fragment 0's round (launched at 2, applied at 4) finds this peer behind; it takes the state of donors at
+    step 4 that still run fragment 0's round of the next outer step, and joins it. That round is due: it is
+    applied at once, so fragment 1's round launches at step 6 (before, it was still in flight there, and fragment
+    1's round was skipped: the peer missed that outer step's record and drifted from the swarm)."""
+    state = peer_state(local_steps=8, fragments=2, overlap_steps=2)
+    rounds = FakeRounds(RoundOutcome(Outcome.NO_GROUP, 1), first=[RoundOutcome(Outcome.BEHIND, 1)])
+    taken = SyncRecord(outer_step=0, averaged=False, group_size=1, seconds=0.0, caught_up=True)
+    streaming = None
+
+    def catch_up(started, attempts):
+        state.local_step = 4
+        streaming.join_fragment_in_progress(0, 2)
+        return taken
+
+    streaming = StreamingSync(state, Contribution(state), reporter_of(state, rounds), rounds,
+                              repair=lambda r: False, catch_up=catch_up, max_extra_steps=0)
+    launched = []
+    for _ in range(state.local_steps):
+        with state.state_lock:
+            state.local_step += 1
+            streaming.launch_due(1)
+            if state.in_flight is not None and state.in_flight.local_step == state.local_step:
+                launched.append((state.in_flight.fragment, state.local_step))
+        streaming.after_step()
+    assert launched == [(0, 2), (1, 6)] and [weight for weight, *_ in rounds.runs] == [2.0, 0.0, 2.0]
+    assert state.in_flight is None and [f["fragment"] for f in state.history[-1].fragments] == [0, 1]
 
 
 def test_state_sharing_serves_a_snapshot_that_another_peer_state_loads():
