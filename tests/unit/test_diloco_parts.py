@@ -24,6 +24,7 @@ from p2ptrain.diloco.records import Outcome, RoundOutcome, SyncRecord, Throughpu
 from p2ptrain.diloco.reporting import Reporter
 from p2ptrain.diloco.state import StateSharing
 from p2ptrain.diloco.streaming import StreamingSync
+from p2ptrain.diloco.swarm_view import outlook_of
 from p2ptrain.diloco.sync import BlockingSync
 from p2ptrain.fragments import FragmentPlan
 from p2ptrain.pace import Pace
@@ -309,6 +310,11 @@ def test_a_streaming_catch_up_skips_to_the_donors_step_and_never_past_the_joined
     state = peer_state(local_steps=8, fragments=2, overlap_steps=2)
     assert streaming_catch_up(state, donors_at).catch_up()
     assert state.local_step == donors_at and state.in_flight.local_step == 2
+    # what a member still in fragment 0's round (applied at 4) reads of it: not a peer that applied it already, so
+    # not a swarm that went on without that member (in CI, an original member read the newcomer at step 5 there,
+    # took the state as if behind, and its round's record was lost)
+    newcomer = SimpleNamespace(peer_id="newcomer", outer_step=0, local_step=state.local_step, leaving=False)
+    assert not outlook_of([newcomer], outer_step=0, local_step=4, applied_by=4).ahead
 
 
 def test_a_catch_up_that_joins_a_round_at_its_apply_step_applies_it_before_the_next_launch():
