@@ -26,6 +26,8 @@ import psutil
 
 POLL_S = 0.5
 TERM_GRACE_S = 2.0
+FORCE_GRACE_S = 1.0
+"""a forced exit's wait for its children's clean-up: they remove a few files, in well under a second"""
 
 
 def leave_process_group() -> None:
@@ -93,10 +95,17 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: _leave_now(128 + signum))
 
 
-def _leave_now(code: int, shared_folder: bool = False) -> None:
+def force_exit(code: int) -> None:
+    """A peer forced out (a second SIGINT/SIGTERM): its children get ``FORCE_GRACE_S`` to remove their sockets and
+    key files (:func:`exit_on_sigterm`) before SIGKILL, then its own clean-up runs, and it exits with ``code``. Killed
+    at once, they left their p2pd sockets in /tmp and the DHT's identity key in TMPDIR."""
+    _leave_now(code, grace_s=FORCE_GRACE_S)
+
+
+def _leave_now(code: int, shared_folder: bool = False, grace_s: float = TERM_GRACE_S) -> None:
     """The forced way out: stop this process's children, clean up (and with ``shared_folder``, once the parent is
     gone, the multiprocessing folder this process shared with it), exit with ``code``."""
-    stop_descendants()
+    stop_descendants(grace_s)
     run_forced_exit_callbacks()
     if shared_folder:
         remove_inherited_temp_dir()

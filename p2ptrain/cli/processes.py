@@ -15,7 +15,8 @@ EXIT_FORCED = 130
 
 
 def install_stop_handlers(on_first: Callable[[], None]) -> None:
-    """First SIGINT/SIGTERM: ``on_first`` (graceful stop). Second: kill our process tree and exit 130."""
+    """First SIGINT/SIGTERM: ``on_first`` (graceful stop). Second: stop our process tree, leaving no file behind, and
+    exit 130 (``lifeline.force_exit``)."""
     main_pid = os.getpid()
     received = []
 
@@ -32,18 +33,12 @@ def install_stop_handlers(on_first: Callable[[], None]) -> None:
             on_first()
         else:
             logger.warning(f"{name} again: forcing exit")
-            kill_process_tree()
-            os._exit(EXIT_FORCED)
+            from p2ptrain.lifeline import force_exit
+
+            force_exit(EXIT_FORCED)
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
-
-
-def kill_process_tree() -> None:
-    """Kill every descendant (hivemind DHT and averager processes, their p2pd) so nothing is orphaned."""
-    from p2ptrain.lifeline import stop_descendants
-
-    stop_descendants(grace_s=0)
 
 
 def run_ranks(nproc: int) -> None:
