@@ -142,8 +142,8 @@ def peer_state(local_steps=4, fragments=1, overlap_steps=0, **fields) -> PeerSta
     global_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
     state = PeerState(params=params, global_params=global_params, inner_optimizer=torch.optim.SGD(params, lr=0.1),
                       outer_optimizer=torch.optim.SGD(global_params, lr=1.0), averager=FakeAverager([(2,), (1, 1)]),
-                      plan=FragmentPlan.build([2, 1], local_steps, fragments, overlap_steps, 0.5), local_steps=local_steps,
-                      peer_id="peer-A", run_id="run", **fields)
+                      plan=FragmentPlan.build([2, 1], local_steps, fragments, overlap_steps, 0.5),
+                      local_steps=local_steps, peer_id="peer-A", run_id="run", **fields)
     state.digest = state.global_digest()
     return state
 
