@@ -109,12 +109,11 @@ def test_a_library_script_leaves_no_process_or_socket(tmp_path: Path, ending: st
     sockets: Set[str] = set()
     while proc.poll() is None:  # follow its processes and sockets while it runs (they are orphans after it exits)
         for p in _tree(root)[1:]:
-            if p.pid not in seen:
-                try:
-                    names[p.pid] = p.name()
-                except psutil.Error:
-                    continue
-                seen[p.pid] = p
+            try:  # read again at every poll: a child caught between fork and exec still bears its parent's name
+                names[p.pid] = p.name()  # (seen once: p2pd read as 'python3', and never read again)
+            except psutil.Error:
+                continue
+            seen.setdefault(p.pid, p)
             sockets |= _sockets_of(p)
         time.sleep(0.2)
     output = proc.stdout.read()
