@@ -19,10 +19,11 @@ Parts are encoded and decoded with the group's ``WireCodec`` (``averaging/compre
 with hivemind's codec registry, which has no room for the bf16 and int8 formats. A message that does not decode
 (``WireFormatError``) counts like any other bad part: its sender is excluded from the round, or its reducer failed.
 
-It also counts the bytes of its streams both ways (``part_stream.py``, protocol 10), and rejects a sender's part of the wrong shape, with a bad
-weight, or that fails the norm check (norm_check.py), instead of letting one peer poison the average; a sender rejects
-a reducer's average on the same grounds (that range counts as failed, the round is run again without it). Either way
-the peer goes to ``on_bad_peer`` (the averager bans it from its groups for a while).
+It moves parts and averages as ``WireMessage``s on its own stream (``part_stream.py``, ``wire_part.py``), counting
+their bytes both ways, and rejects a sender's part of the wrong shape, with a bad weight, or that fails the norm
+check (norm_check.py), instead of letting one peer poison the average; a sender rejects a reducer's average on the
+same grounds (that range counts as failed, the round is run again without it). Either way the peer goes to
+``on_bad_peer`` (the averager bans it from its groups for a while).
 """
 
 from __future__ import annotations
@@ -34,11 +35,10 @@ from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException
-from hivemind.compression import CompressionInfo
 from hivemind.p2p import PeerID
-from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
-from hivemind.utils.asyncio import aenumerate, amap_in_executor, attach_event_on_finished
+from hivemind.utils.asyncio import aenumerate, amap_in_executor, as_aiter, attach_event_on_finished
 
 from p2ptrain.averaging.audit import choose_audits, commitment
 from p2ptrain.averaging.compression import WireCodec, WireFormatError
@@ -49,7 +49,8 @@ from p2ptrain.averaging.receipts import Receipts
 from p2ptrain.averaging.reducer import Reducer
 from p2ptrain.averaging.round import NotInRoundError
 from p2ptrain.averaging.part_stream import open_part_stream
-from p2ptrain.averaging.runner_io import TimedCodec, TimedEncoder, aiter_with_timeouts
+from p2ptrain.averaging.runner_io import TimedCodec, aiter_with_timeouts
+from p2ptrain.averaging.wire_part import WireMessage, WireTensor
 from p2ptrain.clock import PhaseClock
 from p2ptrain.faults import kill_this_peer
 from p2ptrain.hivemind_compat import own_input_part, own_input_part_shapes
@@ -97,7 +98,6 @@ class ExactAllReduceRunner(AllReduceRunner):
             raise TypeError(f"ExactAllReduceRunner needs a p2ptrain WireCodec, got {self._codec!r}")
         self.clock = PhaseClock()
         """CPU seconds of each kind of work in this round (``RoundResult.phases``), summed over threads"""
-        self.tensor_part_container.compression = TimedEncoder(self._codec, self)  # our parts, as hivemind cuts them
         self._timed = TimedCodec(self._codec, self.clock)  # the parts and averages we encode and decode
         # shape of each part of each reducer's range: an average that comes back in another shape is a failure
         self._part_shapes_by_peer = own_input_part_shapes(self.tensor_part_container)
@@ -160,7 +160,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         except asyncio.TimeoutError:
             return False
 
-    async def _serialize_average(self, part_index: int, averaged_part: torch.Tensor) -> runtime_pb2.Tensor:
+    async def _serialize_average(self, part_index: int, averaged_part: torch.Tensor) -> WireTensor:
         """Compress the average of one part once (and sign it, with a signer); every caller for that part gets the
         same message."""
         if part_index not in self._serialized_averages:
@@ -169,7 +169,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                                                                          averaged_part)
         return await self._serialized_averages[part_index]
 
-    def _encode_and_sign(self, part_index: int, averaged_part: torch.Tensor) -> runtime_pb2.Tensor:
+    def _encode_and_sign(self, part_index: int, averaged_part: torch.Tensor) -> WireTensor:
         message = self._timed.encode(averaged_part)
         if self._receipts.signer is not None:
             with self.clock("sign"):
@@ -182,19 +182,25 @@ class ExactAllReduceRunner(AllReduceRunner):
         """Our own part as a reducer that signs receipts: its message (kept for audits), commitment and decoded
         values (what any other reducer would have received of it)."""
         with self.clock("encode"):
-            message = self._codec.compress(tensor_part, CompressionInfo.from_tensor(tensor_part))
+            message = self._codec.encode(tensor_part)
             committed = commitment(message)
         return message, committed, self._timed.decode(message)
 
-    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """hivemind's, recording each part's commitment: the reducer's receipt must name it (audit.py). A hash of
-        the buffer in place: 0.3 ms per 512 KiB part, not worth a trip through the executor's queue."""
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[WireMessage]:
+        """hivemind's (and its ``iterate_input_parts_for``), its parts encoded as ``WireTensor``s, each one's
+        commitment recorded for the reducer's receipt (audit.py): a hash in place, cheaper than an executor's hop."""
+        container = self.tensor_part_container
+        assert not container._inputs_consumed_by_peer[peer_index], "input parts of a given peer are already used"
+        container._inputs_consumed_by_peer[peer_index] = True
+        parts = as_aiter(*(part for part, _ in container._input_parts_by_peer[peer_index]))
         part_index = 0
-        async for message in super()._generate_input_for_peer(peer_index):
+        async for tensor_part in amap_in_executor(self._timed.encode, parts, max_prefetch=container.prefetch):
             with self.clock("checks"):
-                self._receipts.sent[(peer_index, part_index)] = commitment(message.tensor_part)
+                self._receipts.sent[(peer_index, part_index)] = commitment(tensor_part)
+            first = part_index == 0  # the first says what it is and of which group (hivemind's checks read it)
+            yield WireMessage(code=averaging_pb2.PART_FOR_AVERAGING if first else 0,
+                              group_id=self.group_id if first else b"", tensor_part=tensor_part, weight=self.weight)
             part_index += 1
-            yield message
 
     def _start_timeout(self) -> float:
         return min(self.sender_timeout or START_TIMEOUT_S, START_TIMEOUT_S)
@@ -360,8 +366,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                     logger.debug(f"Sender {sender} is already banned")
                     break  # sender was banned, we no longer need to aggregate it
                 serialized = await self._serialize_average(part_index, averaged_part)
-                reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized,
-                                                    peer_id=self._receipts.signatures.get(part_index, b""))
+                reply = WireMessage(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized,
+                                    peer_id=self._receipts.signatures.get(part_index, b""))
                 part_index += 1
                 yield reply
                 self._parts_answered += 1
@@ -374,16 +380,9 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     def _check_part(self, part_index: int, tensor_part: torch.Tensor, weight: float) -> str:
         """Why a sender's part must not enter the average, or an empty string if it may."""
-        if part_index >= self.tensor_part_reducer.num_parts:
-            return f"part #{part_index}, beyond the {self.tensor_part_reducer.num_parts} parts of this reducer"
-        expected_shape = self.tensor_part_reducer.part_shapes[part_index]
-        if tensor_part.shape != expected_shape:
-            return f"part #{part_index} of shape {tuple(tensor_part.shape)}, expected {tuple(expected_shape)}"
-        if not (math.isfinite(weight) and weight >= 0):
-            return f"a weight of {weight}, not a finite non-negative number"
-        own = self.parts_for_local_averaging[part_index]
-        return self._norms.check(("received", part_index), tensor_part, own, f"part #{part_index}",
-                                 self._norms.scale_part(self.ordered_peer_ids.index(self.peer_id), part_index))
+        return self.tensor_part_reducer.part_problem(part_index, tensor_part, weight) or self._norms.check(
+            ("received", part_index), tensor_part, self.parts_for_local_averaging[part_index], f"part #{part_index}",
+            self._norms.scale_part(self.ordered_peer_ids.index(self.peer_id), part_index))
 
     async def _ban_sender(self, peer_id: PeerID):
         """Leave a sender out of the rest of this round's sums (it failed, timed out or sent a bad part): say so, with

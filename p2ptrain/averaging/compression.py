@@ -41,12 +41,14 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from typing import ClassVar, Dict, List, Optional, Sequence, Type
+from typing import ClassVar, Dict, List, Optional, Sequence, Type, Union
 
 import numpy as np
 import torch
 from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression, NoCompression
 from hivemind.proto import runtime_pb2
+
+from p2ptrain.averaging.wire_part import Buffer, WireTensor
 
 WIRE_TYPE = 100
 """``runtime_pb2.Tensor.compression`` of p2ptrain's own formats: no value of hivemind's ``CompressionType`` enum
@@ -81,6 +83,14 @@ def _wire_bytes(tensor: torch.Tensor, little_endian_dtype: str) -> bytes:
     return (array if NATIVE_LITTLE_ENDIAN else array.astype(little_endian_dtype)).tobytes()
 
 
+def _wire_view(tensor: torch.Tensor, little_endian_dtype: str) -> Buffer:
+    """``_wire_bytes`` without the copy: a byte view of ``tensor``'s memory (which it keeps alive) on a
+    little-endian host. Only for a tensor nothing writes to afterwards (a codec's fresh output)."""
+    if not NATIVE_LITTLE_ENDIAN or tensor.numel() == 0:  # (memoryview casts no empty view)
+        return _wire_bytes(tensor, little_endian_dtype)
+    return memoryview(tensor.reshape(-1).numpy()).cast("B")
+
+
 class WireFormatError(ValueError):
     """A message from a peer that does not decode with this group's codec: truncated, malformed or another format."""
 
@@ -108,7 +118,8 @@ class WireCodec(CompressionBase):
         buffer do, without a tensor of their own in between."""
         out.copy_(self._decode(buffer, numel))
 
-    def extract(self, serialized_tensor: runtime_pb2.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def extract(self, serialized_tensor: Union[runtime_pb2.Tensor, WireTensor],
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The message's values as fp32 of its shape: a new tensor, or ``out`` (flat, as many values as the message
         says it has: WireFormatError otherwise, before anything is written) viewed in that shape."""
         msg = serialized_tensor
@@ -120,7 +131,7 @@ class WireCodec(CompressionBase):
         shape = tuple(msg.size)
         numel = math.prod(shape)
         expected = self.num_bytes(numel)
-        buffer = msg.buffer  # a copy out of the message at each read: read once
+        buffer = msg.buffer  # a copy out of a protobuf message at each read: read once
         if len(buffer) != expected:
             raise WireFormatError(
                 f"a {self.name} part of shape {shape} needs {expected} bytes, the message has {len(buffer)}"
@@ -137,9 +148,14 @@ class WireCodec(CompressionBase):
         except Exception as e:  # whatever numpy or torch say about a bad buffer: one clean error type
             raise WireFormatError(f"cannot decode a {self.name} part of shape {shape}: {e!r}") from e
 
+    def encode(self, tensor: torch.Tensor) -> WireTensor:
+        """``compress``'s message as the part stream sends it (``wire_part.py``): the same fields and bytes, held
+        without protobuf's copies; codecs that encode into a fresh tensor hand out a view of it."""
+        return WireTensor.of(self.compress(tensor, CompressionInfo.from_tensor(tensor)))
+
     def roundtrip(self, tensor: torch.Tensor) -> torch.Tensor:
         """``decompress(compress(tensor))``: exactly what a receiver of ``tensor`` gets, as fp32."""
-        return self.extract(self.compress(tensor, CompressionInfo.from_tensor(tensor)))
+        return self.extract(self.encode(tensor))
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}({self.name!r})"
@@ -175,14 +191,22 @@ class Fp16Codec(WireCodec, Float16Compression):
 
     name = "fp16"
 
-    def compress(self, tensor, info=None, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+    def _half(self, tensor: torch.Tensor) -> tuple:
         # hivemind's message byte for byte (tests/unit/test_compression.py), a third faster: round first, then clamp
         # the infinities that only values beyond fp16's range round to (hivemind clamps a fp32 copy first: the same
         # bits, since every fp32 value that rounds to a finite fp16 lies within the clamp)
         tensor = _float32_input(tensor)
-        half = tensor.to(torch.float16).clamp_(self.FP16_MIN, self.FP16_MAX)
+        return tensor, tensor.to(torch.float16).clamp_(self.FP16_MIN, self.FP16_MAX)
+
+    def compress(self, tensor, info=None, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        tensor, half = self._half(tensor)
         return runtime_pb2.Tensor(compression=self.compression_type, buffer=_wire_bytes(half, "<f2"),
                                   size=tensor.shape, dtype="float32", requires_grad=tensor.requires_grad)
+
+    def encode(self, tensor: torch.Tensor) -> WireTensor:
+        tensor, half = self._half(tensor)
+        return WireTensor(_wire_view(half, "<f2"), tensor.shape, "float32", self.compression_type,
+                          tensor.requires_grad)
 
     def num_bytes(self, numel: int) -> int:
         return 2 * numel
@@ -203,15 +227,18 @@ class Bf16Codec(WireCodec):
     BF16_MAX = torch.finfo(torch.bfloat16).max
 
     def compress(self, tensor, info=None, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        tensor, bits = self._bits(tensor)
+        return runtime_pb2.Tensor(compression=self.compression_type, buffer=_wire_bytes(bits, "<i2"),
+                                  size=tensor.shape, dtype=self.dtype_tag)
+
+    def _bits(self, tensor: torch.Tensor) -> tuple:
         tensor = _float32_input(tensor)
         # fp32 values within half a bf16 ulp of fp32's max would round to inf: clamp like fp16 does
-        bits = tensor.clamp(-self.BF16_MAX, self.BF16_MAX).to(torch.bfloat16).view(torch.int16)
-        return runtime_pb2.Tensor(
-            compression=self.compression_type,
-            buffer=_wire_bytes(bits, "<i2"),
-            size=tensor.shape,
-            dtype=self.dtype_tag,
-        )
+        return tensor, tensor.clamp(-self.BF16_MAX, self.BF16_MAX).to(torch.bfloat16).view(torch.int16)
+
+    def encode(self, tensor: torch.Tensor) -> WireTensor:
+        tensor, bits = self._bits(tensor)
+        return WireTensor(_wire_view(bits, "<i2"), tensor.shape, self.dtype_tag, self.compression_type)
 
     def num_bytes(self, numel: int) -> int:
         return 2 * numel

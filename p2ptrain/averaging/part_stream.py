@@ -8,8 +8,9 @@ What goes over it, in order (all integers little-endian):
 2. frames both ways: ``FRAME`` (kind, meta length, payload length), then the meta, then the payload. A ``MESSAGE``
    frame is a hivemind ``AveragingData`` cut in two: the meta is the message serialized without its tensor's bytes
    (code, group id, signature, weight, shape, dtype, codec), the payload is the tensor's bytes (``buffer``), written
-   from the message as they are and read with one ``readexactly``: no protobuf copy of the 512 KiB of a part, no
-   64 KiB chunks, no task and queue per message on the sender's side. ``END`` (sender only) says no more parts
+   straight from the encoded tensor's memory and read with one ``readexactly``, never copied into or out of a
+   protobuf message (``wire_part.py``: the runner handles ``WireMessage``s), no 64 KiB chunks, no task and queue per
+   message on the sender's side. ``END`` (sender only) says no more parts
    follow. ``ERROR`` (reducer only) carries a one-line reason in the meta;
 3. the hang-up: the sender closes the stream once it holds every average of the reducer's range (protocol 6's order,
    ``ExactAllReduceRunner.rpc_aggregate_part``); a reducer that sees the stream end stops answering.
@@ -24,13 +25,14 @@ from __future__ import annotations
 import asyncio
 import struct
 from contextlib import closing
-from typing import AsyncIterator, Protocol, Tuple
+from typing import AsyncIterator, Protocol, Tuple, Union
 
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 
 from p2ptrain.averaging.round import PROTOCOL_VERSION
+from p2ptrain.averaging.wire_part import WireMessage
 from p2ptrain.hivemind_compat import runner_for
 from p2ptrain.security import MAX_STREAM_MESSAGE_BYTES
 
@@ -84,21 +86,15 @@ def frame(kind: int, meta: bytes = b"", payload: bytes = b"") -> Tuple[bytes, by
     return FRAME.pack(kind, len(meta), len(payload)) + meta, payload
 
 
-def message_frame(message: averaging_pb2.AveragingData) -> Tuple[bytes, bytes]:
-    """``message`` as a MESSAGE frame: its fields but the tensor's bytes, then those bytes."""
-    meta = averaging_pb2.AveragingData(code=message.code, group_id=message.group_id, peer_id=message.peer_id,
-                                       weight=message.weight)
-    payload = b""
-    if message.HasField("tensor_part"):
-        tensor = message.tensor_part
-        payload = tensor.buffer
-        meta.tensor_part.CopyFrom(runtime_pb2.Tensor(size=tensor.size, requires_grad=tensor.requires_grad,
-                                                     dtype=tensor.dtype, compression=tensor.compression,
-                                                     chunks=tensor.chunks))
-    return frame(MESSAGE, meta.SerializeToString(), payload)
+def message_frame(message: Union[WireMessage, averaging_pb2.AveragingData]) -> Tuple[bytes, bytes]:
+    """``message`` as a MESSAGE frame: its fields but the tensor's bytes, then those bytes (a ``WireMessage``'s
+    as they are: no copy; a protobuf message's, such as hivemind's refusals, read out of it)."""
+    if not isinstance(message, WireMessage):
+        message = WireMessage.of(message, message.tensor_part.buffer)
+    return frame(MESSAGE, message.meta().SerializeToString(), message.tensor_part.buffer)
 
 
-def write_frame(writer: asyncio.StreamWriter, head: bytes, payload: bytes) -> int:
+def write_frame(writer: asyncio.StreamWriter, head: bytes, payload) -> int:
     """Queue one frame on ``writer``; the bytes it takes on the stream."""
     writer.write(head)
     if payload:
@@ -120,15 +116,13 @@ async def read_frame(reader: asyncio.StreamReader) -> Tuple[int, bytes, bytes]:
     return kind, meta, payload
 
 
-def message_of(meta: bytes, payload: bytes) -> averaging_pb2.AveragingData:
-    """The ``AveragingData`` a MESSAGE frame carries (PartStreamError if its meta does not parse)."""
+def message_of(meta: bytes, payload: bytes) -> WireMessage:
+    """The message a MESSAGE frame carries, its payload held as read (PartStreamError if its meta does not parse)."""
     try:
-        message = averaging_pb2.AveragingData.FromString(meta)
+        fields = averaging_pb2.AveragingData.FromString(meta)
     except Exception as e:  # protobuf's DecodeError, whatever its module
         raise PartStreamError(f"a message whose fields do not parse: {e!r}") from e
-    if payload:
-        message.tensor_part.buffer = payload
-    return message
+    return WireMessage.of(fields, payload)
 
 
 class ByteCounter(Protocol):
@@ -139,8 +133,8 @@ class ByteCounter(Protocol):
 
 
 async def open_part_stream(p2p, peer_id: PeerID, prefix: str, group_id: bytes,
-                           messages: AsyncIterator[averaging_pb2.AveragingData],
-                           counter: ByteCounter) -> AsyncIterator[averaging_pb2.AveragingData]:
+                           messages: AsyncIterator[WireMessage],
+                           counter: ByteCounter) -> AsyncIterator[WireMessage]:
     """Sender side: send ``messages`` to reducer ``peer_id`` (a task writes them as they come) and iterate its
     answers. Closing the iterator hangs up. An ERROR frame raises PartStreamError with the reducer's reason."""
     _, reader, writer = await p2p.call_binary_stream_handler(peer_id, handler_name(prefix))
@@ -155,7 +149,7 @@ async def open_part_stream(p2p, peer_id: PeerID, prefix: str, group_id: bytes,
         counter.bytes_sent += write_frame(writer, *frame(END))
         await writer.drain()
 
-    async def answers() -> AsyncIterator[averaging_pb2.AveragingData]:
+    async def answers() -> AsyncIterator[WireMessage]:
         with closing(writer):
             try:
                 while True:
@@ -216,7 +210,7 @@ async def serve_part_stream(averager, stream_info, reader: asyncio.StreamReader,
         context = P2PContext(handle_name=handler_name(averager.prefix), local_id=averager.peer_id, remote_id=remote_id)
         requests: asyncio.Queue = asyncio.Queue(max_prefetch)
 
-        async def read_requests() -> AsyncIterator[averaging_pb2.AveragingData]:
+        async def read_requests() -> AsyncIterator[WireMessage]:
             while True:
                 request = await requests.get()
                 if request is None:

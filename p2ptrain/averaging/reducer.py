@@ -88,3 +88,14 @@ class Reducer(TensorPartReducer):
         elif self.current_part_accumulated_from == self.num_current_senders and self.denominator == 0:
             self.denominator = 1.0  # the accumulator holds zeros: 0 x each part
         super().check_current_part_finished()
+
+    def part_problem(self, part_index: int, tensor_part: torch.Tensor, weight: float) -> str:
+        """Why a sender's part cannot enter this reducer's sums (its index, shape or weight), or an empty string."""
+        if part_index >= self.num_parts:
+            return f"part #{part_index}, beyond the {self.num_parts} parts of this reducer"
+        expected_shape = self.part_shapes[part_index]
+        if tensor_part.shape != expected_shape:
+            return f"part #{part_index} of shape {tuple(tensor_part.shape)}, expected {tuple(expected_shape)}"
+        if not (math.isfinite(weight) and weight >= 0):
+            return f"a weight of {weight}, not a finite non-negative number"
+        return ""

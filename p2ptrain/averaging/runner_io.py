@@ -7,10 +7,9 @@ import asyncio
 from typing import Optional
 
 import torch
-from hivemind.compression import CompressionInfo
-from hivemind.proto import runtime_pb2
 
 from p2ptrain.averaging.compression import WireCodec
+from p2ptrain.averaging.wire_part import WireTensor
 from p2ptrain.clock import PhaseClock
 
 
@@ -27,31 +26,17 @@ async def aiter_with_timeouts(iterable, first_s: Optional[float], next_s: Option
         timeout = next_s
 
 
-class TimedEncoder:
-    """The runner's codec as ``TensorPartContainer`` sees it: ``compress`` counted in the runner's ``encode``."""
-
-    def __init__(self, codec: WireCodec, runner) -> None:
-        self._codec, self._runner = codec, runner
-
-    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False):
-        with self._runner.clock("encode"):
-            return self._codec.compress(tensor, info, allow_inplace)
-
-    def __getattr__(self, name):
-        return getattr(self._codec, name)
-
-
 class TimedCodec:
     """The runner's own calls of its codec, each counted in its clock: ``encode`` or ``decode``."""
 
     def __init__(self, codec: WireCodec, clock: PhaseClock) -> None:
         self._codec, self._clock = codec, clock
 
-    def encode(self, tensor: torch.Tensor) -> runtime_pb2.Tensor:
+    def encode(self, tensor: torch.Tensor) -> WireTensor:
         with self._clock("encode"):
-            return self._codec.compress(tensor, CompressionInfo.from_tensor(tensor))
+            return self._codec.encode(tensor)
 
-    def decode(self, message: runtime_pb2.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def decode(self, message: WireTensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         with self._clock("decode"):
             return self._codec.extract(message, out)
 

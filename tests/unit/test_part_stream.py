@@ -6,11 +6,16 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
+from hivemind.compression import Float16Compression
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2ptrain.averaging import part_stream
+from p2ptrain.averaging.audit import commitment
+from p2ptrain.averaging.compression import Fp16Codec
 from p2ptrain.averaging.part_stream import (END, ERROR, FRAME, MESSAGE, PartStreamError, frame, hello, message_frame,
                                             message_of, read_frame, read_hello)
+from p2ptrain.averaging.wire_part import WireMessage
 from p2ptrain.security import MAX_STREAM_MESSAGE_BYTES
 
 
@@ -52,11 +57,31 @@ def test_a_message_comes_back_whole_through_a_frame():
     message = a_part(peer_id=b"signature")
     head, payload = message_frame(message)
     kind, meta, body = read(read_frame, head + payload)
-    assert kind == MESSAGE and message_of(meta, body) == message
+    assert kind == MESSAGE and message_of(meta, body).to_proto() == message
     # an answer with no tensor (BAD_GROUP_ID) stays one
     bare = averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
     kind, meta, body = read(read_frame, b"".join(message_frame(bare)))
-    assert message_of(meta, body) == bare and not message_of(meta, body).HasField("tensor_part")
+    assert message_of(meta, body).to_proto() == bare and not message_of(meta, body).HasField("tensor_part")
+    # read as a protobuf message would be: the tensor of a message without one is empty, and no codec decodes it
+    assert message_of(meta, body).tensor_part.buffer == b"" and message_of(meta, body).tensor_part.size == ()
+
+
+def test_a_part_goes_out_from_its_tensor_s_memory_in_the_same_bytes_as_the_message():
+    """A part the runner encodes (``WireCodec.encode``) is framed without a copy of its bytes, and its frame is the
+    frame of the protobuf message hivemind's codec makes of the same values."""
+    values = torch.randn(3, 5)
+    codec = Fp16Codec()
+    encoded = codec.encode(values)
+    assert isinstance(encoded.buffer, memoryview)
+    as_message = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"g", weight=1.5,
+                                             tensor_part=Float16Compression().compress(values, None))
+    wire = WireMessage(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"g", weight=1.5, tensor_part=encoded)
+    head, payload = message_frame(wire)
+    assert payload is encoded.buffer and (head, bytes(payload)) == message_frame(as_message)
+    assert commitment(encoded) == commitment(as_message.tensor_part)
+    assert encoded.SerializeToString() == as_message.tensor_part.SerializeToString()
+    assert torch.equal(codec.extract(message_of(head[FRAME.size:], bytes(payload)).tensor_part),
+                       codec.extract(as_message.tensor_part))
 
 
 def test_a_hello_of_another_version_or_kind_is_refused_in_words():
