@@ -1,7 +1,7 @@
 """Can two peers that are each behind their own NAT router reach each other through a public relay, with the p2pd
 that hivemind 1.1.12 bundles? (issue 38; README.md beside this file has what it found)
 
-    sudo python docs/bench/2026-11-29-relay/probe.py [RATE_MBIT]
+    sudo [RELAYS=N] python docs/bench/2026-11-29-relay/probe.py [RATE_MBIT]
 
 Three network namespaces (p2ptrain.bench.netns): host 0 public, hosts 1 and 2 each behind a MASQUERADE router. Host 0
 runs a hivemind P2P with reachability forced public (p2pd's relay service is on by default); hosts 1 ("a") and 2
@@ -27,6 +27,8 @@ from hivemind.utils.multiaddr import Multiaddr
 MB = int(os.environ.get("MB", "64"))
 POLL_S = float(os.environ.get("POLL_S", "20"))
 DIAL_FOR_S = float(os.environ.get("DIAL_FOR_S", "300"))
+RELAYS = int(os.environ.get("RELAYS", "1"))
+"""how many relay daemons host 0 runs (each its own p2pd and identity): autorelay waits 3 minutes with fewer than 4"""
 LIFE_S = 400.0
 """how long the relay and the whole probe may run"""
 
@@ -68,18 +70,20 @@ def write_file(folder: str, name: str, text: str) -> None:
 
 
 async def relay(folder: str, address: str) -> None:
-    p2p = await P2P.create(host_maddrs=[f"/ip4/{address}/tcp/0"], force_reachability="public")
-    maddrs = [str(a) for a in await p2p.get_visible_maddrs()]
-    write_file(folder, "relay", maddrs[0])
-    print("relay", maddrs, flush=True)
+    daemons = [await P2P.create(host_maddrs=[f"/ip4/{address}/tcp/0"], force_reachability="public")
+               for _ in range(RELAYS)]
+    maddrs = [str((await p2p.get_visible_maddrs())[0]) for p2p in daemons]
+    write_file(folder, "relay", json.dumps(maddrs))
+    print("relays", maddrs, flush=True)
     await asyncio.sleep(LIFE_S)
-    await p2p.shutdown()
+    for p2p in daemons:
+        await p2p.shutdown()
 
 
 async def natted_peer(role: str, folder: str, address: str) -> None:
-    relay_maddr = wait_for_file(folder, "relay")
-    p2p = await P2P.create(initial_peers=[relay_maddr], host_maddrs=[f"/ip4/{address}/tcp/0"],
-                           use_auto_relay=True, trusted_relays=[relay_maddr], force_reachability="private")
+    relay_maddrs = json.loads(wait_for_file(folder, "relay"))
+    p2p = await P2P.create(initial_peers=relay_maddrs, host_maddrs=[f"/ip4/{address}/tcp/0"],
+                           use_auto_relay=True, trusted_relays=relay_maddrs, force_reachability="private")
     started = time.monotonic()
     while True:
         maddrs = [str(a) for a in await p2p.get_visible_maddrs(latest=True)]
@@ -90,7 +94,7 @@ async def natted_peer(role: str, folder: str, address: str) -> None:
     if role == "b":
         await receive(p2p, folder, maddrs)
     else:
-        await send(p2p, folder, relay_maddr)
+        await send(p2p, folder, relay_maddrs)
     await p2p.shutdown()
 
 
@@ -119,10 +123,11 @@ async def receive(p2p: P2P, folder: str, maddrs: list) -> None:
     await asyncio.wait_for(done.wait(), LIFE_S)
 
 
-async def send(p2p: P2P, folder: str, relay_maddr: str) -> None:
+async def send(p2p: P2P, folder: str, relay_maddrs: list) -> None:
     b = json.loads(wait_for_file(folder, "b"))
     peer = PeerID.from_base58(b["id"])
-    targets = [Multiaddr(a) for a in b["maddrs"] if "p2p-circuit" in a] or [GoBytes(relay_maddr + "/p2p-circuit")]
+    targets = ([Multiaddr(a) for a in b["maddrs"] if "p2p-circuit" in a]
+               or [GoBytes(relay + "/p2p-circuit") for relay in relay_maddrs])
     print("a dials", targets, flush=True)
     started = time.monotonic()
     while True:  # b is reachable once it holds a reservation on the relay
