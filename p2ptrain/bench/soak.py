@@ -30,7 +30,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 from p2ptrain.bench.local import (LOOPBACK, interrupts_raised, leftover_processes, loopback_join, read_json,
                                   stop_swarm)

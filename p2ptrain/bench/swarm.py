@@ -20,6 +20,7 @@ from typing import Dict, List, Optional
 
 from p2ptrain.bench.cpu import CpuQuota
 from p2ptrain.bench.netns import Topology, bytes_between, wait_for_counters
+from p2ptrain.bench.stall import Stall
 from p2ptrain.daemons import DaemonError, spawn, stop_daemons, wait_for_address
 from p2ptrain.memory import count_parameters
 from p2ptrain.model import model_config
@@ -129,6 +130,7 @@ def run_config(cfg: BenchConfig, out: Path, topology: Optional[Topology], progre
                 "--report", str(out / f"w{i}.json"),
             ], out / f"w{i}.log", prefix(i)))
         started, last, first_done = time.monotonic(), -1, None
+        stall = Stall([out / f"w{i}.log" for i in range(1, cfg.peers + 1)])
         while any(p.poll() is None for p in procs[1:]):
             if time.monotonic() - started > timeout_s:
                 raise BenchFailed(f"{cfg.name} did not finish in {timeout_s:.0f}s")
@@ -147,6 +149,9 @@ def run_config(cfg: BenchConfig, out: Path, topology: Optional[Topology], progre
             if steps != last:
                 progress(f"  {cfg.name}: {steps}/{cfg.outer_steps} rounds, {time.monotonic() - started:.0f}s")
                 last = steps
+            given_up = stall.check(steps)  # rounds that stopped coming: one line, not a run until killed
+            if given_up:
+                raise BenchFailed(f"{cfg.name}: {given_up}")
             time.sleep(1.0)
         failed = [i for i, p in enumerate(procs[1:], 1) if p.returncode != 0]
         if failed:
