@@ -192,9 +192,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         container = self.tensor_part_container
         assert not container._inputs_consumed_by_peer[peer_index], "input parts of a given peer are already used"
         container._inputs_consumed_by_peer[peer_index] = True
-        parts = as_aiter(*(part for part, _ in container._input_parts_by_peer[peer_index]))
+        parts = as_aiter(*container._input_parts_by_peer[peer_index])  # (part, its CompressionInfo)
         part_index = 0
-        async for tensor_part in amap_in_executor(self._timed.encode, parts, max_prefetch=container.prefetch):
+        async for tensor_part in amap_in_executor(lambda part: self._timed.encode(*part), parts,
+                                                  max_prefetch=container.prefetch):
             with self.clock("checks"):
                 self._receipts.sent[(peer_index, part_index)] = commitment(tensor_part)
             first = part_index == 0  # the first says what it is and of which group (hivemind's checks read it)

@@ -148,10 +148,11 @@ class WireCodec(CompressionBase):
         except Exception as e:  # whatever numpy or torch say about a bad buffer: one clean error type
             raise WireFormatError(f"cannot decode a {self.name} part of shape {shape}: {e!r}") from e
 
-    def encode(self, tensor: torch.Tensor) -> WireTensor:
+    def encode(self, tensor: torch.Tensor, info: Optional[CompressionInfo] = None) -> WireTensor:
         """``compress``'s message as the part stream sends it (``wire_part.py``): the same fields and bytes, held
-        without protobuf's copies; codecs that encode into a fresh tensor hand out a view of it."""
-        return WireTensor.of(self.compress(tensor, CompressionInfo.from_tensor(tensor)))
+        without protobuf's copies; codecs that encode into a fresh tensor hand out a view of it. ``info``: as
+        ``compress`` takes it (hivemind's of a part; None: the tensor's own)."""
+        return WireTensor.of(self.compress(tensor, info or CompressionInfo.from_tensor(tensor)))
 
     def roundtrip(self, tensor: torch.Tensor) -> torch.Tensor:
         """``decompress(compress(tensor))``: exactly what a receiver of ``tensor`` gets, as fp32."""
@@ -203,7 +204,7 @@ class Fp16Codec(WireCodec, Float16Compression):
         return runtime_pb2.Tensor(compression=self.compression_type, buffer=_wire_bytes(half, "<f2"),
                                   size=tensor.shape, dtype="float32", requires_grad=tensor.requires_grad)
 
-    def encode(self, tensor: torch.Tensor) -> WireTensor:
+    def encode(self, tensor: torch.Tensor, info: Optional[CompressionInfo] = None) -> WireTensor:
         tensor, half = self._half(tensor)
         return WireTensor(_wire_view(half, "<f2"), tensor.shape, "float32", self.compression_type,
                           tensor.requires_grad)
@@ -236,7 +237,7 @@ class Bf16Codec(WireCodec):
         # fp32 values within half a bf16 ulp of fp32's max would round to inf: clamp like fp16 does
         return tensor, tensor.clamp(-self.BF16_MAX, self.BF16_MAX).to(torch.bfloat16).view(torch.int16)
 
-    def encode(self, tensor: torch.Tensor) -> WireTensor:
+    def encode(self, tensor: torch.Tensor, info: Optional[CompressionInfo] = None) -> WireTensor:
         tensor, bits = self._bits(tensor)
         return WireTensor(_wire_view(bits, "<i2"), tensor.shape, self.dtype_tag, self.compression_type)
 

@@ -7,6 +7,7 @@ import asyncio
 from typing import Optional
 
 import torch
+from hivemind.compression import CompressionInfo
 
 from p2ptrain.averaging.compression import WireCodec
 from p2ptrain.averaging.wire_part import WireTensor
@@ -32,9 +33,9 @@ class TimedCodec:
     def __init__(self, codec: WireCodec, clock: PhaseClock) -> None:
         self._codec, self._clock = codec, clock
 
-    def encode(self, tensor: torch.Tensor) -> WireTensor:
+    def encode(self, tensor: torch.Tensor, info: Optional[CompressionInfo] = None) -> WireTensor:
         with self._clock("encode"):
-            return self._codec.encode(tensor)
+            return self._codec.encode(tensor, info)
 
     def decode(self, message: WireTensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         with self._clock("decode"):
