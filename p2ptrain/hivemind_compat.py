@@ -301,6 +301,14 @@ def own_input_part_shapes(container: Any) -> List[List[Any]]:
     return [[part.shape for part, _ in parts] for parts in container._input_parts_by_peer]
 
 
+def take_input_parts(container: Any, peer_index: int) -> List[Any]:
+    """This peer's parts of the range reduced by ``peer_index``, each with its ``CompressionInfo``, to send once:
+    what hivemind's ``TensorPartContainer.iterate_input_parts_for`` (1.1.12) takes before it compresses them."""
+    assert not container._inputs_consumed_by_peer[peer_index], "input parts of a given peer are already used"
+    container._inputs_consumed_by_peer[peer_index] = True
+    return list(container._input_parts_by_peer[peer_index])
+
+
 _STANDALONE_MULTIADDR = "_p2ptrain_hivemind_multiaddr"
 
 

@@ -53,7 +53,7 @@ from p2ptrain.averaging.runner_io import TimedCodec, aiter_with_timeouts
 from p2ptrain.averaging.wire_part import WireMessage, WireTensor
 from p2ptrain.clock import PhaseClock
 from p2ptrain.faults import kill_this_peer
-from p2ptrain.hivemind_compat import own_input_part, own_input_part_shapes
+from p2ptrain.hivemind_compat import own_input_part, own_input_part_shapes, take_input_parts
 
 logger = get_logger(__name__)
 
@@ -189,13 +189,10 @@ class ExactAllReduceRunner(AllReduceRunner):
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[WireMessage]:
         """hivemind's (and its ``iterate_input_parts_for``), its parts encoded as ``WireTensor``s, each one's
         commitment recorded for the reducer's receipt (audit.py): a hash in place, cheaper than an executor's hop."""
-        container = self.tensor_part_container
-        assert not container._inputs_consumed_by_peer[peer_index], "input parts of a given peer are already used"
-        container._inputs_consumed_by_peer[peer_index] = True
-        parts = as_aiter(*container._input_parts_by_peer[peer_index])  # (part, its CompressionInfo)
+        parts = as_aiter(*take_input_parts(self.tensor_part_container, peer_index))  # (part, its CompressionInfo)
         part_index = 0
         async for tensor_part in amap_in_executor(lambda part: self._timed.encode(*part), parts,
-                                                  max_prefetch=container.prefetch):
+                                                  max_prefetch=self.tensor_part_container.prefetch):
             with self.clock("checks"):
                 self._receipts.sent[(peer_index, part_index)] = commitment(tensor_part)
             first = part_index == 0  # the first says what it is and of which group (hivemind's checks read it)
