@@ -192,20 +192,15 @@ class Fp16Codec(WireCodec, Float16Compression):
 
     name = "fp16"
 
-    def _half(self, tensor: torch.Tensor) -> tuple:
+    def compress(self, tensor, info=None, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        return self.encode(tensor).to_proto()
+
+    def encode(self, tensor: torch.Tensor, info: Optional[CompressionInfo] = None) -> WireTensor:
         # hivemind's message byte for byte (tests/unit/test_compression.py), a third faster: round first, then clamp
         # the infinities that only values beyond fp16's range round to (hivemind clamps a fp32 copy first: the same
         # bits, since every fp32 value that rounds to a finite fp16 lies within the clamp)
         tensor = _float32_input(tensor)
-        return tensor, tensor.to(torch.float16).clamp_(self.FP16_MIN, self.FP16_MAX)
-
-    def compress(self, tensor, info=None, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        tensor, half = self._half(tensor)
-        return runtime_pb2.Tensor(compression=self.compression_type, buffer=_wire_bytes(half, "<f2"),
-                                  size=tensor.shape, dtype="float32", requires_grad=tensor.requires_grad)
-
-    def encode(self, tensor: torch.Tensor, info: Optional[CompressionInfo] = None) -> WireTensor:
-        tensor, half = self._half(tensor)
+        half = tensor.to(torch.float16).clamp_(self.FP16_MIN, self.FP16_MAX)
         return WireTensor(_wire_view(half, "<f2"), tensor.shape, "float32", self.compression_type,
                           tensor.requires_grad)
 
@@ -228,17 +223,12 @@ class Bf16Codec(WireCodec):
     BF16_MAX = torch.finfo(torch.bfloat16).max
 
     def compress(self, tensor, info=None, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        tensor, bits = self._bits(tensor)
-        return runtime_pb2.Tensor(compression=self.compression_type, buffer=_wire_bytes(bits, "<i2"),
-                                  size=tensor.shape, dtype=self.dtype_tag)
-
-    def _bits(self, tensor: torch.Tensor) -> tuple:
-        tensor = _float32_input(tensor)
-        # fp32 values within half a bf16 ulp of fp32's max would round to inf: clamp like fp16 does
-        return tensor, tensor.clamp(-self.BF16_MAX, self.BF16_MAX).to(torch.bfloat16).view(torch.int16)
+        return self.encode(tensor).to_proto()
 
     def encode(self, tensor: torch.Tensor, info: Optional[CompressionInfo] = None) -> WireTensor:
-        tensor, bits = self._bits(tensor)
+        tensor = _float32_input(tensor)
+        # fp32 values within half a bf16 ulp of fp32's max would round to inf: clamp like fp16 does
+        bits = tensor.clamp(-self.BF16_MAX, self.BF16_MAX).to(torch.bfloat16).view(torch.int16)
         return WireTensor(_wire_view(bits, "<i2"), tensor.shape, self.dtype_tag, self.compression_type)
 
     def num_bytes(self, numel: int) -> int:
