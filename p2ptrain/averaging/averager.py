@@ -36,7 +36,7 @@ from p2ptrain.averaging.matchmaking import SteeredMatchmaking
 from p2ptrain.averaging.part_size import RATE_KEY, round_part_size
 from p2ptrain.averaging.part_stream import LINGER_S, handler_name, serve_part_stream
 from p2ptrain.averaging.plan import RoundReport, SharedRoundPlan
-from p2ptrain.averaging.process import enter_averager_process, remove_replica_socket
+from p2ptrain.averaging.process import enter_averager_process, leave_averager_process
 from p2ptrain.averaging.robust import check_aggregation, weight_cap
 from p2ptrain.averaging.round import (IncompleteRoundError, RoundResult, claimed_weights, mixes_states,
                                       own_norm_scale, read_gathered, schema_hash)
@@ -223,7 +223,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         try:
             super().run()
         finally:
-            remove_replica_socket(self)
+            leave_averager_process(self)
 
     async def add_p2p_handlers(self, p2p, *args, **kwargs) -> None:
         await super().add_p2p_handlers(p2p, *args, **kwargs)  # the rpc_* below; the all-reduce's parts on a stream
