@@ -46,7 +46,7 @@ def run_bootstrap(
             raise listen_problem("--metrics-port", observe.metrics_host, observe.metrics_port, e) from None
     try:
         dht = start_dht(dataclasses.replace(swarm, reachability="public"),
-                        role="a bootstrap peer always is (the others dial it to join)")
+                        role="a bootstrap peer always is (the others dial it to join)", relays=swarm.relays)
     except BaseException:
         if metrics is not None:
             metrics.close()
@@ -69,6 +69,9 @@ def run_bootstrap(
         print(f"bootstrap peer {peer_id} is up; workers join with --initial-peers and one of:")
         for maddr in maddrs:
             print(f"  {maddr}", flush=True)
+        if dht.relays:
+            print(f"relaying for workers behind NAT through {swarm.relays} relay daemons (--relays 0: off)",
+                  flush=True)
         if metrics is not None:
             metrics.set_peer(peer_id)
             print(f"Prometheus metrics of run {run_id!r} at {metrics.url(observe.metrics_host)}", flush=True)

@@ -78,6 +78,9 @@ class SwarmConfig:
     """look for relays and advertise relayed addresses automatically (peers behind NAT)"""
     bootstrap_timeout_s: float = setting(30.0, above=0)
     """give up joining if no initial peer answers within this many seconds"""
+    relays: int = setting(4, at_least=0)
+    """bootstrap peer: relay daemons it runs (a p2pd each) so that workers behind NAT can reach each other when no
+    worker is public; 0 turns relaying off (fewer than 4 makes a newcomer wait 3 minutes for its relay slot)"""
 
 
 def default_threads() -> int:

@@ -172,6 +172,12 @@ TOUCH_POINTS: Tuple[TouchPoint, ...] = (
                "only the P2P that started p2pd owns the daemon's socket"),
     TouchPoint("hivemind.p2p.p2p_daemon.P2P", "__init__", "method", "swarm/dht.py",
                "the DHT process learns of the P2P whose start failed, to remove the sockets it left", ("self",)),
+    TouchPoint("hivemind.p2p.p2p_daemon.P2P", "_client", "attribute", "swarm/relays.py",
+               "dial a relayed peer at circuit addresses that hivemind's multiaddr cannot encode"),
+    TouchPoint("hivemind.p2p.p2p_daemon.P2P", "_make_process_args", "method", "swarm/relays.py",
+               "start the bootstrap's relay daemons with their limits", ("args", "kwargs")),
+    TouchPoint("hivemind.p2p.p2p_daemon.P2P", "_terminate", "method", "swarm/relays.py",
+               "end the relay daemons from a process whose event loop is gone", ("self",)),
 )
 
 
@@ -208,6 +214,21 @@ def group_key_prefix(averager: Any) -> str:
 def p2p_of(averager: Any) -> Any:
     """The averager's replica of its DHT's P2P (made in the averager process when it starts)."""
     return averager._p2p
+
+
+async def p2p_connect(p2p: Any, peer_id: Any, maddrs: List[Any]) -> None:
+    """Have p2pd connect to ``peer_id`` at ``maddrs`` (objects with ``to_bytes``: p2pd reads the bytes as given)."""
+    await p2p._client.connect(peer_id, maddrs)
+
+
+async def p2p_disconnect(p2p: Any, peer_id: Any) -> None:
+    """Have p2pd close its connections to ``peer_id``."""
+    await p2p._client.disconnect(peer_id)
+
+
+def terminate_p2p(p2p: Any) -> None:
+    """Stop a P2P's p2pd and remove its sockets without its event loop (``P2P.shutdown`` needs one)."""
+    p2p._terminate()
 
 
 def send_to_averager_process(averager: Any, method: str, **kwargs) -> None:

@@ -35,7 +35,7 @@ from p2ptrain.averaging.flat_outputs import OutputBufferSlot
 from p2ptrain.averaging.matchmaking import SteeredMatchmaking
 from p2ptrain.averaging.part_size import RATE_KEY, round_part_size
 from p2ptrain.averaging.part_stream import LINGER_S, handler_name, serve_part_stream
-from p2ptrain.averaging.plan import RoundReport, SharedRoundPlan
+from p2ptrain.averaging.plan import RoundReport, SharedRoundPlan, act_as
 from p2ptrain.averaging.process import enter_averager_process, leave_averager_process
 from p2ptrain.averaging.robust import check_aggregation, weight_cap
 from p2ptrain.averaging.round import (IncompleteRoundError, RoundResult, claimed_weights, mixes_states,
@@ -149,8 +149,7 @@ class PseudoGradientAverager(DecentralizedAverager):
 
     @property
     def banned_peers(self) -> List[str]:
-        """Base58 ids of the peers excluded now (host side: read from the averager process's list, each entry with
-        the wall-clock time its exclusion ends)."""
+        """Base58 ids of the peers excluded now (host side: read from the averager process's list of exclusions)."""
         return self.bans.live_ids()
 
     @property
@@ -191,9 +190,10 @@ class PseudoGradientAverager(DecentralizedAverager):
         self.state_donor.set_host_outer_step(outer_step)
 
     def set_round_plan(self, target_group_size: Optional[int], window_s: float, expected: Iterable[str] = (),
-                       max_group_size: Optional[int] = None, fragment: int = 0) -> None:
-        """The next ``step``'s target, window, expected peers, cap and fragment (``SharedRoundPlan.set``)."""
-        self.plan.set(target_group_size, window_s, expected, max_group_size, fragment)
+                       max_group_size: Optional[int] = None, fragment: int = 0, follows_only: bool = False) -> None:
+        """The next ``step``'s plan (``SharedRoundPlan.set``); ``follows_only``: a round as a client (``act_as``)."""
+        self.plan.set(target_group_size, window_s, expected, max_group_size, fragment, follows_only or self.client_mode)
+        act_as(self, follows_only)
 
     def download_state(self, timeout_s: float) -> Optional[DownloadedState]:
         """Take the state from live donors (host side; blocks). None if no donor could give a complete state."""

@@ -90,9 +90,12 @@ class SteeredMatchmaking:
         key_manager.update_key_on_group_assembled = keep_group_bits
         matchmaking._check_reasons_to_reject = check_request_counting_the_unexpected
 
-    def plan(self, target: Optional[int], window_s: float, expected: Collection[str], cap: int) -> None:
+    def plan(self, target: Optional[int], window_s: float, expected: Collection[str], cap: int,
+             follows_only: bool = False) -> None:
         """For the step about to start: a leader starts its group once it holds ``target`` members (None: when the
-        window ends), a declaration as a potential leader lasts ``window_s``."""
+        window ends), a declaration as a potential leader lasts ``window_s``. ``follows_only``: this step neither
+        declares itself nor accepts followers, as in hivemind's client mode (a relayed peer: swarm/relays.py)."""
+        self.matchmaking.client_mode = follows_only
         self.matchmaking.target_group_size = target
         self.matchmaking.min_matchmaking_time = self.matchmaking.potential_leaders.min_matchmaking_time = window_s
         self.expected, self.cap = set(expected), cap

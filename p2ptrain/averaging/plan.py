@@ -7,6 +7,8 @@ import ctypes
 import multiprocessing as mp
 from typing import Iterable, List, Optional
 
+from hivemind.averaging.allreduce import AveragingMode
+
 from p2ptrain.averaging.round import MAX_PEER_LIST_BYTES, joined_ids, split_ids
 
 
@@ -22,26 +24,29 @@ class SharedRoundPlan:
         self._expected = mp.Array(ctypes.c_char, MAX_PEER_LIST_BYTES)
         self._cap = mp.Value(ctypes.c_int64, 0)
         self._fragment = mp.Value(ctypes.c_int64, 0)
+        self._follows_only = mp.Value(ctypes.c_bool, False)
 
     def set(self, target_group_size: Optional[int], window_s: float, expected: Iterable[str] = (),
-            max_group_size: Optional[int] = None, fragment: int = 0) -> None:
+            max_group_size: Optional[int] = None, fragment: int = 0, follows_only: bool = False) -> None:
         """For the next ``step``: start the group as soon as it has ``target_group_size`` members (None: only when
         the window ends), and look for peers for ``window_s`` seconds.
 
         ``expected`` names the peers (base58) that the target counts. A peer that joins our group without being one
         of them (its record was not stored yet when we read the records) raises the target by one, up to
         ``max_group_size``: otherwise it would take the place of an expected peer, and the group would start
-        without that one."""
+        without that one. ``follows_only``: join a group, never lead one (a client, or a relayed peer while a public
+        one is live: swarm/relays.py)."""
         self._target.value = target_group_size or 0
         self._window_s.value = window_s
         self._expected.value = joined_ids(expected)
         self._cap.value = max_group_size or 0
         self._fragment.value = fragment
+        self._follows_only.value = follows_only
 
     def steer(self, steered) -> None:
         """Averager process, once per step before matchmaking: hand the plan to the step's ``SteeredMatchmaking``."""
         steered.plan(self._target.value or None, self._window_s.value, split_ids(self._expected.value),
-                     self._cap.value)
+                     self._cap.value, self._follows_only.value)
 
     @property
     def fragment(self) -> int:
@@ -84,3 +89,13 @@ class RoundReport:
     @property
     def failed_members(self) -> set:
         return set(split_ids(self._failed.value))
+
+
+def act_as(averager, follows_only: bool) -> None:
+    """Host side, before a step: a relayed peer (swarm/relays.py) that ``follows_only`` says it is a client in its
+    group's gathered data, so it gets no share to reduce, and serves no state; else it is a full member. A client
+    stays one, an auxiliary peer one."""
+    if averager.client_mode or averager.mode == AveragingMode.AUX:
+        return
+    averager.mode = AveragingMode.CLIENT if follows_only else AveragingMode.NODE
+    averager.allow_state_sharing = not follows_only

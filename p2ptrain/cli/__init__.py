@@ -51,7 +51,7 @@ def cli(ctx: click.Context, verbose: bool, log_format: str) -> None:
 @cli.command()
 @run_options(only={"run_id", "swarm.initial_peers", "swarm.initial_peers_file", "swarm.host_maddrs",
                    "swarm.announce_maddrs", "swarm.identity_path", "swarm.use_relay", "swarm.bootstrap_timeout_s",
-                   "swarm.swarm_key_file", "observe.metrics_port", "observe.metrics_host"})
+                   "swarm.swarm_key_file", "swarm.relays", "observe.metrics_port", "observe.metrics_host"})
 @click.option("--maddrs-file", type=click.Path(dir_okay=False, writable=True), envvar="P2PTRAIN_MADDRS_FILE",
               show_envvar=True, help="Also write the visible multiaddrs to this file, one per line.")
 @click.option("--config", "config_path", type=click.Path(), envvar="P2PTRAIN_CONFIG", show_envvar=True,

@@ -30,11 +30,15 @@ class Membership:
         settings = {**(progress.settings if progress is not None else {}), **settings}
         self.progress = progress or ProgressPublisher(dht, run_id, period_s=progress_period_s)
         self.progress.settings = settings
-        self.progress.client_mode = averager.client_mode
+        relayed = getattr(dht, "relayed", None)  # behind NAT, dialled through relays (swarm/relays.py)
+        self.progress.client_mode = averager.client_mode or relayed is not None  # never dialled directly
+        if relayed is not None:  # published, and told of every look at the records
+            self.progress.relay_maddrs, self.progress.on_look = tuple(relayed.relay_maddrs), relayed.look
         reachability = getattr(dht, "reachability", None)  # how start_dht chose the mode (swarm/reachability.py)
         self.progress.reachability = str(reachability) if getattr(reachability, "reason", "") else (
             "client" if averager.client_mode else "public")
-        self.progress.watch_swarm = watch_swarm  # the record's heartbeat also reads where the swarm is
+        # the record's heartbeat also reads where the swarm is
+        self.progress.watch_swarm = watch_swarm or relayed is not None
         self._averager_start_timeout_s = averager_start_timeout_s
         self._publish_first, self._tag = publish_first, tag
         self._lock = threading.Lock()

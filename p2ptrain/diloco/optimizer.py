@@ -39,6 +39,7 @@ from p2ptrain.diloco.sync import BlockingSync
 from p2ptrain.fragments import FragmentPlan
 from p2ptrain.outer import is_plain_or_nesterov_sgd
 from p2ptrain.pace import Pace
+from p2ptrain.swarm.relays import averages_as_client
 
 
 def _shared(name: str) -> property:
@@ -155,7 +156,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             compression=settings.compression, min_group_size=settings.min_group_size,
             target_group_size=settings.target_group_size, min_matchmaking_time=settings.matchmaking_time_s,
             request_timeout=self._request_timeout_s, allreduce_timeout=settings.averaging_timeout_s,
-            next_chunk_timeout=settings.averaging_timeout_s / 2, client_mode=options.client_mode, shutdown_timeout=5,
+            next_chunk_timeout=settings.averaging_timeout_s / 2, shutdown_timeout=5,
+            client_mode=averages_as_client(self.dht) if options.client_mode is None else options.client_mode,
             max_norm_ratio=options.max_norm_ratio, sparse_k=settings.sparse_k, aggregation=settings.aggregation,
             audit_parts=settings.audit_parts, fragments=self.plan.tensors,
             # mixing groups: this peer's stepped global parameters and outer momenta (Contribution.fill_stepped_state)

@@ -69,7 +69,7 @@ class Rounds:
         This loop only looks, does what ``decide`` says, and tells it the result.
         """
         ask = Ask(me=self._me(), position=position, weight=weight, single_attempt=single_attempt,
-                  client_mode=bool(self.averager.client_mode))
+                  client_mode=self.follows_only())
         memory = Memory.start(ask, self.settings, time.monotonic())
         attempted: Optional[Attempted] = None
         while True:
@@ -109,7 +109,8 @@ class Rounds:
         if action.reason:
             logger.info(f"{self._tag()} {action.reason}")
         self.averager.set_round_plan(action.target, action.window_s, expected=[*action.ready, *action.late],
-                                     max_group_size=self.settings.target_group_size, fragment=position.fragment)
+                                     max_group_size=self.settings.target_group_size, fragment=position.fragment,
+                                     follows_only=self.follows_only())
         logger.debug(f"{self._tag()} attempt {attempt}: ready {[p[-8:] for p in action.ready]}, late "
                      f"{ {p[-8:]: step for p, step in action.late.items()} } at local step {position.local_step}: "
                      f"target {action.target}, window {action.window_s:.1f}s")
@@ -121,6 +122,11 @@ class Rounds:
                          result=result if isinstance(result, RoundResult) else None, went_on=result is _WENT_ON,
                          incomplete=incomplete,
                          failed_members=frozenset(self.averager.last_failed_members) if incomplete else frozenset())
+
+    def follows_only(self) -> bool:
+        """Whether this peer only joins groups: a client, or a relayed peer while a public one is live (relays.py)."""
+        relayed = getattr(self.dht, "relayed", None)
+        return bool(self.averager.client_mode) or (relayed is not None and relayed.follows_only)
 
     def behind(self, outlook: RoundOutlook) -> bool:
         """Whether this round went on without this peer (``round_policy.behind``): then it takes the swarm's state."""

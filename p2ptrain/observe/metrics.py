@@ -240,9 +240,10 @@ class SwarmMetrics(MetricsServer):
     def update(self, run_id: str, records: Iterable[Any]) -> None:
         """``records``: the run's live PeerProgress records."""
         records = list(records)
-        for mode in ("public", "client"):
-            self.peers.labels(run_id=run_id, mode=mode).set(
-                sum((r.client_mode if mode == "client" else not r.client_mode) for r in records))
+        from p2ptrain.swarm.relays import peer_mode
+
+        for mode in ("public", "relayed", "client"):
+            self.peers.labels(run_id=run_id, mode=mode).set(sum(peer_mode(r) == mode for r in records))
         steps = [r.outer_step for r in records]
         self.outer_step.labels(run_id=run_id).set(max(steps) if steps else math.nan)
         self.min_outer_step.labels(run_id=run_id).set(min(steps) if steps else math.nan)

@@ -198,8 +198,8 @@ class SwarmView:
                                  message=f"peer {_short(banned)} is excluded for misbehaving by "
                                          f"{', '.join(_short(b) for b in by)}"))
         public = sum(p["mode"] == "public" for p in live)
-        clients = len(live) - public
-        if live and public == 0:
+        clients = sum(p["mode"] == "client" for p in live)  # relayed peers reach each other through the relays
+        if clients and public == 0:
             warnings.append(dict(kind="few_public_peers",
                                  message=f"no public peer: the {clients} client-mode peer(s) (behind NAT) cannot "
                                          "form a group; a peer with a reachable address must join"))

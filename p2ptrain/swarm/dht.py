@@ -10,6 +10,7 @@ import tempfile
 import threading
 import time
 from contextlib import suppress
+from functools import partial
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
@@ -24,6 +25,8 @@ from p2ptrain.lifeline import (exit_on_sigterm, follow_parent, leave_process_gro
 from p2ptrain.swarm.pipe import LockedWriter, PipeBroken, WholeMessageReader, process_alive
 from p2ptrain.swarm.admission import SwarmRefused, check_admission, serve_admission
 from p2ptrain.swarm.reachability import MODES, Reachability, SwarmUnreachable, decide, serve_probes
+from p2ptrain.swarm.relays import (RELAYS, RelayedPeer, relay_limits_text, serve_relay_checks, start_relays,
+                                   stop_relays)
 from p2ptrain.security import (KeyFileError, PeerSignatureValidator, SwarmAuth, SwarmKeyValidator,
                                limit_stream_messages, load_identity, load_swarm_key)
 
@@ -69,6 +72,10 @@ class FollowingDHT(hivemind.DHT):
 
     auth: SwarmAuth = SwarmAuth()
     reachability: Reachability = Reachability(False, "")
+    relayed: Optional[RelayedPeer] = None
+    """a worker behind NAT that runs relayed (swarm/relays.py), or None"""
+    relays: int = 0
+    """the relay daemons this peer runs (a bootstrap peer's --relays), which its probe answers name"""
     _identity_dir: Optional[str] = None
     _socket_paths: List[str] = []
     """the unix sockets of the DHT process's P2P, learnt at start: stop_dht removes what the process left"""
@@ -103,6 +110,7 @@ class FollowingDHT(hivemind.DHT):
         """What this process leaves, however it ends: its sockets (hivemind removes them on a clean shutdown only),
         and a fresh identity key's folder (start_dht made it for this DHT alone; a peer that died without stop_dht,
         by SIGKILL or os._exit, left it in TMPDIR: a private key)."""
+        stop_relays()
         self._remove_own_sockets()
         if self._identity_dir:
             shutil.rmtree(self._identity_dir, ignore_errors=True)
@@ -150,11 +158,12 @@ async def _dht_socket_paths(_dht: hivemind.DHT, node) -> List[str]:
     return p2p_socket_paths(node.p2p)
 
 
-def start_dht(config: SwarmConfig, role: str = "", reader: bool = False) -> hivemind.DHT:
+def start_dht(config: SwarmConfig, role: str = "", reader: bool = False, relays: int = 0) -> hivemind.DHT:
     """Start this peer's DHT and join the swarm through ``initial_peers``; raise SwarmError if that fails.
     ``role``: why this command sets ``config.reachability`` itself (the log says so, not "forced"), or "".
     ``reader``: a short-lived reader of the records (status, the demo's follower), not a member: no word about
-    the swarm being open, which is its members' concern.
+    the swarm being open, which is its members' concern. ``relays``: how many relay daemons this peer runs for
+    workers behind NAT (a bootstrap peer's ``--relays``; swarm/relays.py).
 
     Bounded: an initial peer that does not answer makes this fail after ``bootstrap_timeout_s``, never hang.
     """
@@ -165,6 +174,9 @@ def start_dht(config: SwarmConfig, role: str = "", reader: bool = False) -> hive
     check_maddrs(config.initial_peers, "--initial-peers", need_peer_id=True)
     check_maddrs(config.host_maddrs, "--host-maddrs")
     check_maddrs(config.announce_maddrs, "--announce-maddrs")
+    if 0 < relays < RELAYS:
+        raise SwarmError(f"--relays {relays}: use 0 (no relaying) or at least {RELAYS}; a worker behind NAT that "
+                         f"knows fewer than {RELAYS} relays waits 3 minutes for its relay slot (go-libp2p's rule)")
     initial_peers = list(config.initial_peers)
     if config.initial_peers_file:
         initial_peers += read_maddrs_file(config.initial_peers_file, config.bootstrap_timeout_s)
@@ -198,8 +210,12 @@ def start_dht(config: SwarmConfig, role: str = "", reader: bool = False) -> hive
                                   timeout_s=config.bootstrap_timeout_s, role=role)
         except SwarmUnreachable as e:  # fail now: the DHT would wait as long again and fail the same way
             raise SwarmError(_join_failure(initial_peers, str(e))) from None
-        logger.info(f"this peer runs {'in client mode (it dials out only)' if reachability.client_mode else 'public'}"
-                    f": {reachability.reason}")
+        mode = {"relayed": "relayed (behind NAT, dialled through the bootstrap's relays)",
+                "client": "in client mode (it dials out only)"}.get(reachability.mode, "public")
+        logger.info(f"this peer runs {mode}: {reachability.reason}")
+        # relayed: p2pd reserves slots on the relays, so that peers can dial it through them
+        relaying = dict(use_auto_relay=True, trusted_relays=reachability.relay_maddrs, force_reachability="private"
+                        ) if reachability.relay_maddrs else dict(use_auto_relay=config.use_auto_relay)
 
         # this process's multiprocessing folder, made before the DHT and averager processes fork off: they know it
         # then, and remove it if this process is killed (lifeline.remove_inherited_temp_dir)
@@ -213,8 +229,8 @@ def start_dht(config: SwarmConfig, role: str = "", reader: bool = False) -> hive
             check_if_identity_free=existing_identity,
             record_validators=validators,
             client_mode=reachability.client_mode,
-            use_relay=config.use_relay,
-            use_auto_relay=config.use_auto_relay,
+            use_relay=config.use_relay or bool(reachability.relay_maddrs),
+            **relaying,
             # p2pd gives up on unreachable bootstrap peers after this long instead of waiting forever
             startup_timeout=config.bootstrap_timeout_s,
             start=False,
@@ -224,6 +240,7 @@ def start_dht(config: SwarmConfig, role: str = "", reader: bool = False) -> hive
             shutil.rmtree(identity_dir, ignore_errors=True)
         raise
     dht.auth, dht.reachability, dht._identity_dir = auth, reachability, identity_dir
+    dht.relayed = RelayedPeer(dht, reachability.relay_maddrs) if reachability.relay_maddrs else None
     dht.identity = validators[0]  # the averager signs its averages with it (averaging/evidence.py)
     if not auth.private and not reader:
         logger.warning("this swarm is OPEN: any host that reaches a peer can join it, average with it and download "
@@ -238,8 +255,18 @@ def start_dht(config: SwarmConfig, role: str = "", reader: bool = False) -> hive
         raise SwarmError(f"could not start the DHT ({reason}); check --host-maddrs and --identity") from None
     # stop_dht removes them if the DHT process cannot (terminated, or p2pd killed under it)
     dht._socket_paths = dht.run_coroutine(_dht_socket_paths)
+    if reachability.relay_maddrs:
+        dht.run_coroutine(serve_relay_checks)  # peers that connect through the relays check the connection
     if not reachability.client_mode:
-        dht.run_coroutine(serve_probes)  # tell joining peers whether they can be dialled
+        if relays > 0:
+            try:
+                dht.relays = dht.run_coroutine(partial(start_relays, count=relays, host_maddrs=config.host_maddrs))
+            except Exception as e:
+                stop_dht(dht)
+                raise SwarmError(f"could not start {relays} relay daemons ({e}); check --host-maddrs, or pass "
+                                 "--relays 0") from None
+            logger.info(relay_limits_text(relays))
+        dht.run_coroutine(serve_probes)  # tell joining peers whether they can be dialled, and of the relays
     serve_admission(dht, auth)  # tell joining peers whether they hold this swarm's key
     try:  # and ask ours: a swarm that ignores every record of ours would leave this peer training alone
         check_admission(dht, auth, initial_peers, f"--swarm-key {config.swarm_key_file}",

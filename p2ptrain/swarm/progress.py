@@ -196,6 +196,9 @@ class ProgressPublisher:
         """data shards left since the last committed round, whose cursors are not out yet: claimed as well"""
         self.reachability = ""
         """how this peer chose public or client mode (swarm/reachability.py), published for status"""
+        self.relay_maddrs: Tuple[str, ...] = ()
+        """a relayed peer's relays (swarm/relays.py), published; ``on_look`` gets the others' records at each look"""
+        self.on_look: Callable[[List[PeerProgress]], None] = lambda others: None
         self.fastest_step_s: Optional[float] = None
         """the shortest inner step among the other live peers' records (their ``step_s``; None: not watching, or
         none known yet). A slower peer sets its stride from it (``DiLoCoOptimizer``'s adaptive steps, pace.py)"""
@@ -233,6 +236,7 @@ class ProgressPublisher:
                     self.fastest_step_s = min(known)
                 if others:
                     self.others_seen_at = time.monotonic()
+                self.on_look(others)
 
     def others(self, timeout_s: float, *, leaving: bool = False) -> List[PeerProgress]:
         """The other peers' records (``fetch_progress``), but those of the peers this one excluded."""
@@ -261,6 +265,7 @@ class ProgressPublisher:
             client_mode=self.client_mode,
             shard_index=self.shard_index,
             left_shards=self.left_shards[-MAX_LEFT_SHARDS:],
+            relay_maddrs=self.relay_maddrs,
             **clip_text(dict(self.settings, reachability=self.reachability)),
         )
         stored = self._store(record.SerializeToString(), get_dht_time() + self.expiration_s)

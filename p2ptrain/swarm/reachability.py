@@ -44,6 +44,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from p2ptrain.hivemind_compat import p2ps_made, remove_unstarted_p2p_files
 from p2ptrain.proto.p2ptrain_pb2 import ReachabilityReport, ReachabilityRequest
+from p2ptrain.swarm.relays import offered_relays, relay_ids
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -69,10 +70,12 @@ class Reachability:
     observed_maddr: str = ""
     """our address as an initial peer saw it ('' if none answered)"""
     reachable_ports: List[int] = field(default_factory=list)
+    relay_maddrs: List[str] = field(default_factory=list)
+    """client mode only: the bootstrap's relays, on which this peer reserves slots to run relayed (swarm/relays.py)"""
 
     @property
     def mode(self) -> str:
-        return "client" if self.client_mode else "public"
+        return "relayed" if self.relay_maddrs else "client" if self.client_mode else "public"
 
     def __str__(self) -> str:
         return f"{self.mode}: {self.reason}"
@@ -104,6 +107,11 @@ def decide(setting: str, initial_peers: Sequence[str], host_maddrs: Sequence[str
         peer, report = reports[0]
         ip = _ip_of(report.observed_maddr) or report.observed_maddr
         why = report.error or f"could not connect back to {ip}"
+        relays = next((list(r.relay_maddrs) for _, r in reports if r.relay_maddrs), [])
+        if relays:
+            return Reachability(True, f"{peer[-8:]} {why} (behind NAT; probe {took:.1f}s): through the bootstrap's "
+                                      f"{len(relay_ids(relays))} relays while no worker is public, or forward a port",
+                                report.observed_maddr, relay_maddrs=relays)
         return Reachability(True, f"{peer[-8:]} {why} (behind NAT or a firewall; probe {took:.1f}s); to serve as a "
                                   "full member, forward a port and pass --host-maddrs and --announce-maddrs",
                             report.observed_maddr)
@@ -231,13 +239,16 @@ async def again_if_cut(exchange: Callable[[], Awaitable[T]]) -> T:
 # ------------------------------------------------------------------------------------------------- the server
 
 async def serve_probes(_dht, node) -> None:
-    """Run in the DHT process (``dht.run_coroutine(serve_probes)``): answer probes on this peer's p2pd."""
+    """Run in the DHT process (``dht.run_coroutine(serve_probes)``): answer probes on this peer's p2pd; a peer that
+    could not be dialled back is told of the relays this process runs (a bootstrap peer's, swarm/relays.py)."""
     await node.p2p.add_binary_stream_handler(PROBE_PROTOCOL, _handle_probe)
 
 
 async def _handle_probe(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
         report = await asyncio.wait_for(_answer(stream_info.addr, reader), DIAL_TIMEOUT_S + 5.0)
+        if not report.reachable_ports and not report.error:
+            report.relay_maddrs.extend(offered_relays())
         await P2P.send_protobuf(report, writer)
     except Exception as e:  # a peer's bad or vanished stream: nothing of ours to clean up beyond the writer
         logger.debug(f"reachability probe from {stream_info.peer_id} failed: {e!r}")

@@ -109,10 +109,13 @@ def test_the_plan_reaches_matchmaking_and_the_report_the_host():
 
     steered = Steered()
     plan.steer(steered)
-    assert steered.args == (None, 5.0, [], 0) and plan.fragment == 0
+    assert steered.args == (None, 5.0, [], 0, False) and plan.fragment == 0
     plan.set(3, 2.5, ["a", "b"], max_group_size=4, fragment=1)
     plan.steer(steered)
-    assert steered.args == (3, 2.5, ["a", "b"], 4) and plan.fragment == 1
+    assert steered.args == (3, 2.5, ["a", "b"], 4, False) and plan.fragment == 1
+    plan.set(3, 2.5, ["a", "b"], max_group_size=4, fragment=1, follows_only=True)  # a relayed peer, a client
+    plan.steer(steered)
+    assert steered.args == (3, 2.5, ["a", "b"], 4, True)
 
     report = RoundReport()
     report.count_incomplete()

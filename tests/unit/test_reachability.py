@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from p2ptrain.proto.p2ptrain_pb2 import ReachabilityReport, ReachabilityRequest
 from p2ptrain.swarm.dht import SwarmConfig, SwarmError, start_dht, stop_dht, visible_maddrs
+from p2ptrain.swarm.relays import relay_ids
 from p2ptrain.swarm.reachability import (MAX_PORTS, PROBE_PROTOCOL, _answer, _read_message, _unprobed, decide,
                                          probe)
 
@@ -109,6 +110,27 @@ def test_an_answer_cut_off_on_its_way_is_asked_for_again():
     reports, errors = asyncio.run(serve_and_probe())
     assert len(streams) == 2 and not errors, errors
     assert asked[0] and list(reports[0][1].reachable_ports) == asked[0] == asked[1]
+
+
+def test_a_peer_that_cannot_be_dialled_back_is_told_of_the_bootstraps_relays():
+    """A bootstrap peer with --relays 4 starts 4 relay daemons (swarm/relays.py) and names them to a peer it could
+    not dial back; never to one it could."""
+    relaying = start_dht(SwarmConfig(host_maddrs=[LOOPBACK]), relays=4)
+    try:
+        listening = socket.create_server(("127.0.0.1", 0))
+        closed = socket.create_server(("127.0.0.1", 0))
+        open_port, closed_port = listening.getsockname()[1], closed.getsockname()[1]
+        closed.close()
+        try:
+            reachable = ask(relaying, framed(ReachabilityRequest(ports=[open_port])))
+            unreachable = ask(relaying, framed(ReachabilityRequest(ports=[closed_port])))
+        finally:
+            listening.close()
+        assert list(reachable.reachable_ports) == [open_port] and not reachable.relay_maddrs
+        assert not unreachable.reachable_ports and len(relay_ids(unreachable.relay_maddrs)) == 4
+        assert all(Multiaddr(m)["p2p"] != relaying.peer_id.to_base58() for m in unreachable.relay_maddrs)
+    finally:
+        stop_dht(relaying)
 
 
 def test_auto_picks_public_when_dialled_back_and_client_when_nobody_can_check(server):

@@ -31,7 +31,7 @@ class FakeAverager:
     def is_alive(self) -> bool:
         return True
 
-    def set_round_plan(self, target, window_s, expected=(), max_group_size=None, fragment=0) -> None:
+    def set_round_plan(self, target, window_s, expected=(), max_group_size=None, fragment=0, follows_only=False) -> None:
         self.plans.append((target, window_s, sorted(expected)))
 
 
