@@ -109,8 +109,9 @@ def run_bench(*, models: Sequence[str], peers: int, rates_mbit: Sequence[Optiona
                  f"(bound {_num(r['bandwidth_bound_s'])}s), bytes x{_num(r['bytes_vs_butterfly'])} butterfly, "
                  f"eval loss {_num(r['final_eval_loss'], '.4f')}, rounds by group size {r['group_sizes']}, "
                  f"{r['caught_up_rounds']} caught up, samples/s {_pct(r['throughput_vs_solo'])} of solo"
-                 + (f", {r['client_mode_peers']} peer(s) in client mode, {r['relayed_connections']} relayed "
-                    "connection(s)" if cfg.behind_nat else ""))
+                 + (f", {r['relayed_peers']} peer(s) relayed, {r['client_mode_peers']} in client mode, "
+                    f"{r['relayed_connections']} relayed connection(s), {_pct(r['relayed_share'])} of the bytes "
+                    "through the bootstrap" if cfg.behind_nat else ""))
             write_report(results, out, _environment(problem))  # after each: an interrupted run keeps its figures
     finally:
         for sig, handler in previous.items():

@@ -57,16 +57,20 @@ def write_report(results: List[Dict], out: Path, environment: Dict) -> Path:
     nat = [r for r in results if r["config"].get("behind_nat")]
     if nat:
         lines += ["", "Behind NAT: the last workers each behind a NAT router of their own (MASQUERADE, no inbound). "
-                      "Client-mode peers reduce nothing: they send their whole pseudo-gradient to the public peers "
-                      "and take the average back, so the public peers carry every part.", "",
-                  "| configuration | client mode | MiB/sync, public peer | MiB/sync, client peer | sync s | "
-                  "relayed connections |", "|---|---:|---:|---:|---:|---:|"]
+                      "While a public worker is live, the NATed ones act as clients: they send their whole "
+                      "pseudo-gradient to the public peers and take the average back. With none, they reduce "
+                      "through the bootstrap's relays, which carry every byte between them in and out.", "",
+                  "| configuration | relayed / client | MiB/sync, public peer | MiB/sync, NATed peer | sync s | "
+                  "sync / bound | share through the bootstrap | relayed connections |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in nat:
             by_mode = r.get("bytes_per_sync_by_mode", {})
-            lines.append(f"| {r['name']} | {r['client_mode_peers']} of {r['config']['peers']} | "
-                         f"{_fmt(by_mode.get('public') and by_mode['public'] / MiB, '.2f')} | "
-                         f"{_fmt(by_mode.get('client') and by_mode['client'] / MiB, '.2f')} | "
-                         f"{_fmt(r['sync_s'], '.2f')} | {r['relayed_connections']} |")
+            natted = by_mode.get("relayed") or by_mode.get("client")
+            lines.append(f"| {r['name']} | {r.get('relayed_peers', 0)} / {r['client_mode_peers']} of "
+                         f"{r['config']['peers']} | {_fmt(by_mode.get('public') and by_mode['public'] / MiB, '.2f')} | "
+                         f"{_fmt(natted and natted / MiB, '.2f')} | {_fmt(r['sync_s'], '.2f')} | "
+                         f"{_fmt(r.get('sync_vs_bound'), '.2f')} | {_fmt(r.get('relayed_share'), '.2f')} | "
+                         f"{r['relayed_connections']} |")
     chatter = [r["waiting_chatter_bytes_per_s"] for r in results if r.get("waiting_chatter_bytes_per_s")]
     if chatter:
         lines += ["", f"While waiting for a slower peer, a peer's link carried {max(chatter) / 1e3:.0f} kB/s at most "

@@ -221,6 +221,15 @@ def sparse_message_bytes(model: str) -> int:
     return Layout(shapes).max_message_bytes
 
 
+def relayed_share(rounds: List[dict], peers: int) -> Optional[float]:
+    """The bootstrap's bytes in a sync over all ``peers`` workers' (wire counters only; None without them): 1.0 when
+    every byte between the workers was relayed. ``rounds``: each peer's rounds, with the bootstrap's bytes over the
+    same window."""
+    pairs = [(r["bootstrap_wire"], r["wire_sent"] + r["wire_received"]) for r in rounds if "bootstrap_wire" in r]
+    workers = sum(w for _, w in pairs) * peers
+    return sum(b for b, _ in pairs) / workers if workers else None
+
+
 def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dict:
     """Every figure of one configuration, per peer and overall. Steady state: the window from the end of the first
     round (which also waits for the slowest peer's start-up) to the end of the last."""
@@ -276,7 +285,9 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
             if samples:
                 # the sync proper, from the last member's arrival; the chatter while waiting is counted apart
                 sent, received = bytes_between(samples, host, traffic_from, r["finished_at"])
-                entry.update(wire_sent=sent, wire_received=received)
+                # host 0 carries no training of its own: what crossed its port then was relayed (in and out)
+                entry.update(wire_sent=sent, wire_received=received,
+                             bootstrap_wire=sum(bytes_between(samples, 0, traffic_from, r["finished_at"])))
                 if waiting > 1.0 and not fragments:
                     idle_sent, idle_received = bytes_between(samples, host, started, started + waiting)
                     entry["waiting_bytes_per_s"] = (idle_sent + idle_received) / waiting
@@ -361,8 +372,12 @@ def summarize(cfg: BenchConfig, reports: List[dict], samples: List[dict]) -> Dic
         # behind NAT: client-mode peers reduce nothing, so the public ones carry every part
         "bytes_per_sync_by_mode": {
             mode: mean([sync_bytes(r) for p in peers if p["reachability"].startswith(mode) for r in p["rounds"][1:]])
-            for mode in ("public", "client")},
+            for mode in ("public", "relayed", "client")},
         "client_mode_peers": sum(p["reachability"].startswith("client") for p in peers),
+        "relayed_peers": sum(p["reachability"].startswith("relayed") for p in peers),
+        # of the bytes the workers' ports carried in a sync, the share that crossed the bootstrap's port: a relayed
+        # byte crosses it in and out, and two workers' ports once each
+        "relayed_share": relayed_share(steady_rounds, n),
         "relayed_connections": max((p["relayed_connections"] for p in peers), default=0),
         "peers": peers,
     }

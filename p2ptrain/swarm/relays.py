@@ -13,8 +13,9 @@ reachability probe. A worker the probe could not dial back, told of relays, runs
   nothing, serves no state), so a mixed swarm keeps client mode's cost of nothing through the relay;
 - while none is, it is a full member: it leads groups, reduces its share and serves state, and it keeps a libp2p
   connection through the relays to every other relayed peer (``RelayedPeer.look``: p2pd then opens the round's
-  streams on it). hivemind's p2pd has no hole punching, so every byte between two relayed peers crosses the
-  bootstrap's link twice: 2 x 2(n-1)/n x V per worker and round (V: the model's wire size), in and out.
+  streams on it). p2pd's hole punching made no direct connection through the test's NAT routers, so every byte
+  between two relayed peers crosses the bootstrap's link twice: 2 x 2(n-1)/n x V per worker and round (V: the
+  model's wire size), in and out.
 
 The circuit address is ``<relay>/p2p-circuit/p2p/<peer>``. hivemind's Python multiaddr writes a ``/p2p/`` part as a
 CID, which p2pd refuses ("length greater than remaining number of bytes in buffer"), so ``CircuitAddr`` writes the
@@ -127,13 +128,14 @@ class RelayPool:
         """Start ``count`` daemons whose limits are ``RELAY_LIMITS`` (``asker``: the p2pd that asks them)."""
         while len(self.daemons) < self.count:
             # without AutoNAT the race goes our way about half the time (20 starts each), with it 3 times in 20
-            relay = await _RelayP2P.create(host_maddrs=self.hosts, force_reachability="public", dht_mode="client",
+            hosts = [_next_port(m, len(self.daemons) + 1) for m in self.hosts]
+            relay = await _RelayP2P.create(host_maddrs=hosts, force_reachability="public", dht_mode="client",
                                            auto_nat=False, nat_port_map=False)
             visible = sorted(map(str, await relay.get_visible_maddrs()), key=lambda m: ("/127.0.0.1/" in m, m))
             limit = await _served_limit(asker, relay.peer_id, await relay.get_visible_maddrs())
             if limit != (RELAY_TIME_LIMIT_S, RELAY_LIMITS["relayDataLimit"]) and self.restarts < MAX_RESTARTS:
                 logger.debug(f"relay daemon {relay.peer_id} serves the limits {limit}: starting another")
-                terminate_p2p(relay)
+                await relay.shutdown()  # and wait: the next one listens on its port
                 self.restarts += 1
                 continue
             self.daemons.append(relay)
@@ -240,10 +242,10 @@ _pool: Optional[RelayPool] = None
 
 
 async def start_relays(_dht, node, count: int, host_maddrs: Sequence[str]) -> int:
-    """Run in the bootstrap's DHT process (``dht.run_coroutine``): start ``count`` relay daemons on the DHT's hosts
-    (port 0)."""
+    """Run in the bootstrap's DHT process (``dht.run_coroutine``): start ``count`` relay daemons on the DHT's hosts,
+    at the next ports (``_next_port``)."""
     global _pool
-    _pool = RelayPool(count, [_port_zero(m) for m in host_maddrs] or ["/ip4/0.0.0.0/tcp/0"])
+    _pool = RelayPool(count, list(host_maddrs) or ["/ip4/0.0.0.0/tcp/0"])
     await _pool.start(node.p2p)
     if _pool.restarts:
         logger.info(f"{_pool.restarts} relay daemon(s) started again: they served go-libp2p's default limits")
@@ -261,10 +263,13 @@ def stop_relays() -> None:
         _pool.stop()
 
 
-def _port_zero(maddr: str) -> str:
+def _next_port(maddr: str, offset: int) -> str:
+    """``maddr`` with its TCP port moved up by ``offset`` (relay i of a bootstrap on port P listens on P + i, so that
+    an operator opens a known range), or left at 0."""
     parts = maddr.split("/")
     if "tcp" in parts:
-        parts[parts.index("tcp") + 1] = "0"
+        at = parts.index("tcp") + 1
+        parts[at] = str(int(parts[at]) + offset) if int(parts[at]) else "0"
     return "/".join(parts)
 
 

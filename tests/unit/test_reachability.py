@@ -8,7 +8,7 @@ import socket
 import struct
 
 import hivemind
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 import pytest
 from hypothesis import given, settings
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from p2ptrain.proto.p2ptrain_pb2 import ReachabilityReport, ReachabilityRequest
 from p2ptrain.swarm.dht import SwarmConfig, SwarmError, start_dht, stop_dht, visible_maddrs
-from p2ptrain.swarm.relays import relay_ids
+from p2ptrain.swarm.relays import RELAY_LIMITS, RELAY_TIME_LIMIT_S, _served_limit, relay_ids
 from p2ptrain.swarm.reachability import (MAX_PORTS, PROBE_PROTOCOL, _answer, _read_message, _unprobed, decide,
                                          probe)
 
@@ -129,6 +129,15 @@ def test_a_peer_that_cannot_be_dialled_back_is_told_of_the_bootstraps_relays():
         assert list(reachable.reachable_ports) == [open_port] and not reachable.relay_maddrs
         assert not unreachable.reachable_ports and len(relay_ids(unreachable.relay_maddrs)) == 4
         assert all(Multiaddr(m)["p2p"] != relaying.peer_id.to_base58() for m in unreachable.relay_maddrs)
+
+        async def limits():  # as a client asks: each serves p2ptrain's limits, not go-libp2p's 128 KiB default
+            asker = await P2P.create(host_maddrs=[LOOPBACK])
+            try:
+                return [await _served_limit(asker, PeerID.from_base58(Multiaddr(m)["p2p"]), [Multiaddr(m)])
+                        for m in unreachable.relay_maddrs]
+            finally:
+                await asker.shutdown()
+        assert set(asyncio.run(limits())) == {(RELAY_TIME_LIMIT_S, RELAY_LIMITS["relayDataLimit"])}
     finally:
         stop_dht(relaying)
 
