@@ -76,8 +76,9 @@ def sigkill_leaves_no_orphans(proc: subprocess.Popen, timeout_s: float = 10) -> 
 
 
 def start_bootstrap(tmp_path: Path, **kwargs) -> tuple:
-    """A `p2ptrain bootstrap` on loopback; returns (process, its first multiaddr)."""
-    proc = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(tmp_path / "maddrs"),
+    """A `p2ptrain bootstrap` on loopback; returns (process, its first multiaddr). No NAT on loopback, so no relay
+    daemons (--relays 0: 1.6 s less per start on 2 cores); the relays' tests are test_reachability's and tests/netns."""
+    proc = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(tmp_path / "maddrs"), "--relays", "0",
                  log=tmp_path / "boot.log")
     return proc, wait_for_file(tmp_path / "maddrs", proc, **kwargs)
 

@@ -15,7 +15,6 @@ Needs root (namespaces, iptables): `make test-netns`, which `.ci/run` runs.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import pytest
 
 from p2ptrain.daemons import spawn, stop_daemons, wait_for_address
 from tests.helpers import wait_until
-from tests.netns.test_nat import make_topology, report, rounds
+from tests.netns.test_nat import make_topology, report, round_figures, rounds, survivors_average_on
 
 # slow: the crashed worker (SIGKILL) leaves its sockets and key folder, which a killed process cannot remove; they
 # are reported at the end of the run, as for the chaos tests
@@ -91,29 +90,8 @@ def test_every_worker_behind_nat_trains_through_the_bootstraps_relays(topology, 
         # C's crash mid-round: A and B finish that round without it and go on averaging, bit-identical
         wait_until(lambda: procs["C"].poll() is not None, "C to crash mid-round", 300, alive("C"))
         assert procs.pop("C").returncode != 0
-        killed_at = time.time()
-
-        def after_kill(name):
-            return [r for r in rounds(tmp_path, name) if r["finished_at"] - r["seconds"] > killed_at]
-        wait_until(lambda: all(len(after_kill(n)) >= 3 for n in "AB"), "3 rounds of A and B after the kill", 300,
-                   alive())
-        for name in "AB":
-            later = after_kill(name)
-            assert all(r["averaged"] and r["group_size"] == 2 and r["failed_fraction"] == 0 for r in later), later
-        digests = [{r["outer_step"]: r["digest"] for r in rounds(tmp_path, n)} for n in "AB"]
-        common = set(digests[0]) & set(digests[1])
-        assert common and all(digests[0][s] == digests[1][s] for s in common)
-
-        figures = {}
-        for name in WORKER_HOSTS:
-            rs = averaged(tmp_path, name)
-            figures[name] = dict(
-                rounds=len(rs), seconds=round(sum(r["seconds"] for r in rs) / max(len(rs), 1), 2),
-                allreduce_s=round(sum(r["allreduce_s"] for r in rs) / max(len(rs), 1), 2),
-                sent_kb=round(sum(r["bytes_sent"] for r in rs) / max(len(rs), 1) / 1e3, 1),
-                received_kb=round(sum(r["bytes_received"] for r in rs) / max(len(rs), 1) / 1e3, 1),
-                relayed=max((r.get("connections", {}).get("relayed", 0) for r in rs), default=0))
-        print(json.dumps(figures, indent=1))
+        survivors_average_on(tmp_path, "AB", time.time(), alive(), 300)
+        round_figures(tmp_path, "ABC")
     finally:
         stop_daemons([proc for name, proc in procs.items() if name != "boot"], timeout_s=30)
         stop_daemons([procs["boot"]] if "boot" in procs else [], timeout_s=30)

@@ -69,6 +69,38 @@ def rounds(tmp_path: Path, name: str) -> list:
     return report(tmp_path, name).get("rounds", [])
 
 
+def survivors_average_on(tmp_path: Path, survivors: str, killed_at: float, alive, timeout_s: float) -> None:
+    """After the others were killed at ``killed_at``: each survivor averages 3 rounds begun since, all in groups of
+    every survivor with no failed range, and their digests agree."""
+    def after_kill(name):
+        return [r for r in rounds(tmp_path, name) if r["finished_at"] - r["seconds"] > killed_at]
+    wait_until(lambda: all(len(after_kill(n)) >= 3 for n in survivors), f"3 rounds of {survivors} after the kill",
+               timeout_s, alive)
+    for name in survivors:
+        later = after_kill(name)
+        assert all(r["averaged"] and r["group_size"] == len(survivors) and r["failed_fraction"] == 0
+                   for r in later), later
+    digests = [{r["outer_step"]: r["digest"] for r in rounds(tmp_path, n)} for n in survivors]
+    common = set.intersection(*map(set, digests))
+    assert common and all(len({d[s] for d in digests}) == 1 for s in common), digests
+
+
+def round_figures(tmp_path: Path, names: str) -> dict:
+    """For the record, printed: each worker's mode, rounds averaged, mean time and bytes per round, relayed peers."""
+    figures = {}
+    for name in names:
+        rs = [r for r in rounds(tmp_path, name) if r["averaged"] and not r["caught_up"]]
+        figures[name] = dict(
+            mode=report(tmp_path, name)["reachability"].split(":")[0], rounds=len(rs),
+            seconds=round(sum(r["seconds"] for r in rs) / max(len(rs), 1), 2),
+            allreduce_s=round(sum(r["allreduce_s"] for r in rs) / max(len(rs), 1), 2),
+            sent_kb=round(sum(r["bytes_sent"] for r in rs) / max(len(rs), 1) / 1e3, 1),
+            received_kb=round(sum(r["bytes_received"] for r in rs) / max(len(rs), 1) / 1e3, 1),
+            relayed=max((r.get("connections", {}).get("relayed", 0) for r in rs), default=0))
+    print(json.dumps(figures, indent=1))
+    return figures
+
+
 def dial(topology: Topology, from_host: int, ip: str, port: int) -> str:
     """Try a TCP connection from inside a host's namespace: 'connected', or the error."""
     code = (f"import socket\ntry:\n    socket.create_connection(({ip!r}, {port}), timeout=3)\n    print('connected')\n"
@@ -151,32 +183,10 @@ def test_workers_behind_nat_train_as_full_members(topology, tmp_path):
         for name in "CDE":
             os.killpg(procs[name].pid, signal.SIGKILL)
             procs.pop(name).wait()
-        killed_at = time.time()
-        before = {name: len(rounds(tmp_path, name)) for name in "AB"}
-
-        def after_kill(name):
-            return [r for r in rounds(tmp_path, name)[before[name]:] if r["finished_at"] - r["seconds"] > killed_at]
-        wait_until(lambda: all(len(after_kill(n)) >= 3 for n in "AB"), "3 rounds of A and B after the kill", 240,
-                   alive())
-        for name in "AB":
-            later = after_kill(name)
-            assert all(r["averaged"] and r["group_size"] == 2 and r["failed_fraction"] == 0 for r in later), later
-        digests = [{r["outer_step"]: r["digest"] for r in rounds(tmp_path, n)} for n in "AB"]
-        common = set(digests[0]) & set(digests[1])
-        assert common and all(digests[0][s] == digests[1][s] for s in common)
+        survivors_average_on(tmp_path, "AB", time.time(), alive(), 240)
 
         # the figures for the record: time and bytes per round, relayed connections
-        figures = {}
-        for name in "ABCDE":
-            rs = [r for r in rounds(tmp_path, name) if r["averaged"] and not r["caught_up"]]
-            figures[name] = dict(
-                mode=report(tmp_path, name)["reachability"].split(":")[0], rounds=len(rs),
-                seconds=round(sum(r["seconds"] for r in rs) / max(len(rs), 1), 2),
-                allreduce_s=round(sum(r["allreduce_s"] for r in rs) / max(len(rs), 1), 2),
-                sent_kb=round(sum(r["bytes_sent"] for r in rs) / max(len(rs), 1) / 1e3, 1),
-                received_kb=round(sum(r["bytes_received"] for r in rs) / max(len(rs), 1) / 1e3, 1),
-                relayed=max((r.get("connections", {}).get("relayed", 0) for r in rs), default=0))
-        print(json.dumps(figures, indent=1))
+        figures = round_figures(tmp_path, "ABCDE")
         # with public workers live, the relayed ones act as clients (they dial out): no byte goes through a relay
         assert all(f["relayed"] == 0 for f in figures.values()), figures
     finally:
