@@ -301,6 +301,7 @@ class RelayedPeer:
         self.connected: Dict[str, float] = {}
         """peer (base58) -> when a circuit connection to it was last made or seen"""
         self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
 
     @property
     def follows_only(self) -> bool:
@@ -309,7 +310,9 @@ class RelayedPeer:
 
     def look(self, others: Sequence) -> None:
         """The other live peers' records: note whether a public worker is among them, and when none is, connect to
-        every relayed one that this peer's p2pd is not connected to yet. A look that read no record is no news."""
+        every relayed one that this peer's p2pd is not connected to yet. A look that read no record is no news.
+        The connecting runs in a thread of its own (dials and checks take seconds, up to ``CONNECT_TIMEOUT_S`` each):
+        the caller, the progress heartbeat, must refresh this peer's record meanwhile or the others see it gone."""
         if not others:
             return
         self.public_live = any(not r.client_mode for r in others)
@@ -317,10 +320,15 @@ class RelayedPeer:
             return
         targets = [(r.peer_id, tuple(r.relay_maddrs)) for r in others if r.relay_maddrs]
         if targets and self._lock.acquire(blocking=False):  # one connecting look at a time
-            try:
-                self._connect(targets)
-            finally:
-                self._lock.release()
+            self._thread = threading.Thread(target=self._connect_then_release, args=(targets,), daemon=True,
+                                            name="p2ptrain-relay-connect")
+            self._thread.start()
+
+    def _connect_then_release(self, targets: List[Tuple[str, Tuple[str, ...]]]) -> None:
+        try:
+            self._connect(targets)
+        finally:
+            self._lock.release()
 
     def _connect(self, targets: List[Tuple[str, Tuple[str, ...]]]) -> None:
         try:

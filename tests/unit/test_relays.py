@@ -61,6 +61,7 @@ def test_a_relayed_peer_follows_while_a_public_worker_is_live_and_leads_and_conn
     me.look([])  # a look that read nothing is no news
     assert me.follows_only
     me.look([record("N", client_mode=True, relays=relays), record("C", client_mode=True)])
+    me._thread.join(timeout=10)  # the connecting runs apart from the look (the heartbeat's thread)
     assert not me.follows_only and dht.asked == [[("N", relays)]] and "N" in me.connected
 
 
@@ -70,3 +71,28 @@ def test_a_bootstrap_refuses_fewer_than_four_relays(count):
 
     with pytest.raises(SwarmError, match=f"--relays {count}: use 0 .* or at least 4"):
         start_dht(SwarmConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"]), relays=count)
+
+
+def test_connecting_never_holds_up_the_look_that_started_it():
+    """The heartbeat that looks must go on refreshing the peer's record while dials take their seconds: a look
+    returns with the connecting still blocked, and a second look while it runs starts no second one."""
+    import threading
+
+    release = threading.Event()
+
+    class BlockingDHT(RecordingDHT):
+        def run_coroutine(self, coroutine, return_future=False):
+            done = super().run_coroutine(coroutine, return_future)
+            release.wait(30)
+            return done
+
+    dht = BlockingDHT()
+    me = RelayedPeer(dht, [f"/ip4/10.0.0.1/tcp/1/p2p/{RELAY}"])
+    others = [record("N", client_mode=True, relays=(f"/ip4/10.0.0.1/tcp/1/p2p/{RELAY}",))]
+    me.look(others)  # returns although the connecting is blocked
+    first = me._thread
+    me.look(others)
+    assert me._thread is first and first.is_alive() and "N" not in me.connected
+    release.set()
+    first.join(timeout=10)
+    assert "N" in me.connected and len(dht.asked) == 1
