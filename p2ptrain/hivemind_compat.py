@@ -172,6 +172,9 @@ TOUCH_POINTS: Tuple[TouchPoint, ...] = (
                "only the P2P that started p2pd owns the daemon's socket"),
     TouchPoint("hivemind.p2p.p2p_daemon.P2P", "__init__", "method", "swarm/dht.py",
                "the DHT process learns of the P2P whose start failed, to remove the sockets it left", ("self",)),
+    TouchPoint("hivemind.averaging.control.StepControl", "__del__", "method", "averaging/__init__.py",
+               "a StepControl collected under torch's fake-tensor mode reads its shared state outside it",
+               ("self",)),
     TouchPoint("hivemind.p2p.p2p_daemon.P2P", "_client", "attribute", "swarm/relays.py",
                "dial a relayed peer at circuit addresses that hivemind's multiaddr cannot encode"),
     TouchPoint("hivemind.p2p.p2p_daemon.P2P", "_make_process_args", "method", "swarm/relays.py",
@@ -200,6 +203,26 @@ def check_hivemind() -> None:
         raise RuntimeError(f"hivemind {hivemind.__version__} is not the one p2ptrain was written for "
                            f"({missing[0]}{f'; and {len(missing) - 1} more' if len(missing) > 1 else ''}); "
                            f"install it with: pip install hivemind=={SUPPORTED_HIVEMIND}")
+
+
+def step_controls_outside_fake_mode() -> None:
+    """Make hivemind's ``StepControl.__del__`` run outside torch's fake-tensor mode. It reads the step's state from a
+    shared-memory tensor (``.item()``); the garbage collector may run it while a thread is inside a ``FakeTensorMode``
+    (torch's compile and checkpoint planning use one), where that read fails with "Please convert all Tensors to
+    FakeTensors first" and prints a traceback (CI, test_ctrl_c_stops_a_two_rank_peer_cleanly, once)."""
+    from hivemind.averaging.control import StepControl
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    original = StepControl.__del__
+    if getattr(original, "_p2ptrain_outside_fake_mode", False):
+        return
+
+    def __del__(self):
+        with unset_fake_temporarily():
+            original(self)
+
+    __del__._p2ptrain_outside_fake_mode = True
+    StepControl.__del__ = __del__
 
 
 def matchmaking_of(averager: Any) -> Any:

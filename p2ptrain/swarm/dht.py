@@ -22,7 +22,7 @@ from p2ptrain.config_checks import check_maddrs
 from p2ptrain.hivemind_compat import check_hivemind, p2p_socket_paths, p2ps_made, remove_unstarted_p2p_files
 from p2ptrain.lifeline import (exit_on_sigterm, follow_parent, leave_process_group, on_forced_exit, parent_gone,
                                remove_files, remove_inherited_temp_dir)
-from p2ptrain.swarm.pipe import LockedWriter, PipeBroken, WholeMessageReader, process_alive
+from p2ptrain.swarm.pipe import LockedWriter, PipeBroken, WholeMessageReader, process_alive, quiet_shared_fd_resets
 from p2ptrain.swarm.admission import SwarmRefused, check_admission, serve_admission
 from p2ptrain.swarm.reachability import MODES, Reachability, SwarmUnreachable, decide, serve_probes
 from p2ptrain.swarm.relays import (RELAYS, RelayedPeer, relay_limits_text, serve_relay_checks, start_relays,
@@ -205,6 +205,7 @@ def start_dht(config: SwarmConfig, role: str = "", reader: bool = False, relays:
         if auth.private:
             validators.append(SwarmKeyValidator(auth))
         limit_stream_messages()
+        quiet_shared_fd_resets()  # a DHT process killed mid-fetch of a command's pipe: no traceback from the sharer
         try:
             reachability = decide(config.reachability, initial_peers, config.host_maddrs, config.announce_maddrs,
                                   timeout_s=config.bootstrap_timeout_s, role=role)

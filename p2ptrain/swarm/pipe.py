@@ -28,15 +28,19 @@ messages over 2 GiB), so either end still works with the other's stock ``Connect
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import select
 import struct
+import sys
 import time
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Optional
 
 import psutil
+
+logger = logging.getLogger(__name__)
 
 RECORD_MAX_BYTES = 8 * 1024
 """the most any record p2ptrain stores in the DHT takes (tests/unit/test_record_bounds.py: every kind at its
@@ -196,3 +200,32 @@ class LockedWriter:
         if name == "conn":  # not set yet (an object being built or copied)
             raise AttributeError(name)
         return getattr(self.conn, name)
+
+
+def quiet_shared_fd_resets() -> None:
+    """Log, instead of printing a traceback for, a peer process that dies while it fetches a file descriptor from this
+    one. A DHT command carries the pipe its answer comes back on, which the DHT process fetches from this process's
+    ``multiprocessing`` resource sharer; a DHT process killed mid-fetch (SIGKILL, the OOM killer) resets the
+    connection, and the sharer's thread hands that to ``sys.excepthook``, which printed a traceback on the daemon's
+    output (CI, test_a_worker_whose_dht_process_dies_says_so_and_leaves_nothing_behind, once). The sharer serves on,
+    and the peer's DHT watch says in one line that the DHT process is gone."""
+    previous = sys.excepthook
+    if getattr(previous, "_p2ptrain_quiet_resets", False):
+        return
+
+    def hook(kind, value, tb):
+        if issubclass(kind, (ConnectionError, EOFError)) and _in_resource_sharer(tb):
+            logger.debug(f"a process died while fetching a shared descriptor from this one: {value!r}")
+            return
+        previous(kind, value, tb)
+
+    hook._p2ptrain_quiet_resets = True
+    sys.excepthook = hook
+
+
+def _in_resource_sharer(tb) -> bool:
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith("multiprocessing/resource_sharer.py"):
+            return True
+        tb = tb.tb_next
+    return False
