@@ -33,6 +33,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import base58
 from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import read_unsigned_varint
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2ptrain.hivemind_compat import p2p_connect, p2p_disconnect, terminate_p2p
@@ -131,8 +132,9 @@ class RelayPool:
             hosts = [_next_port(m, len(self.daemons) + 1) for m in self.hosts]
             relay = await _RelayP2P.create(host_maddrs=hosts, force_reachability="public", dht_mode="client",
                                            auto_nat=False, nat_port_map=False)
-            visible = sorted(map(str, await relay.get_visible_maddrs()), key=lambda m: ("/127.0.0.1/" in m, m))
-            limit = await _served_limit(asker, relay.peer_id, await relay.get_visible_maddrs())
+            maddrs = await relay.get_visible_maddrs()
+            visible = sorted(map(str, maddrs), key=lambda m: ("/127.0.0.1/" in m, m))
+            limit = await _served_limit(asker, relay.peer_id, maddrs)
             if limit != (RELAY_TIME_LIMIT_S, RELAY_LIMITS["relayDataLimit"]) and self.restarts < MAX_RESTARTS:
                 logger.debug(f"relay daemon {relay.peer_id} serves the limits {limit}: starting another")
                 await relay.shutdown()  # and wait: the next one listens on its port
@@ -161,7 +163,7 @@ async def _served_limit(asker: P2P, relay: PeerID, maddrs) -> Optional[Tuple[int
         try:
             writer.write(b"\x02\x08\x00")  # length 2, then field 1 (type) = 0 (RESERVE)
             await writer.drain()
-            length = await asyncio.wait_for(_read_varint(reader), 5.0)
+            length = await asyncio.wait_for(read_unsigned_varint(reader), 5.0)
             answer = _fields(await reader.readexactly(length))
         finally:
             writer.close()
@@ -170,16 +172,6 @@ async def _served_limit(asker: P2P, relay: PeerID, maddrs) -> Optional[Tuple[int
     except Exception as e:
         logger.debug(f"relay daemon {relay} did not answer a reservation: {e!r}")
         return None
-
-
-async def _read_varint(reader: asyncio.StreamReader) -> int:
-    value = shift = 0
-    while True:
-        byte = (await reader.readexactly(1))[0]
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return value
 
 
 def _fields(data: bytes) -> Dict[int, object]:
