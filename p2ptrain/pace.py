@@ -49,6 +49,11 @@ with another test's swarm a 2x slower peer measured 1.2x at two looks in a row, 
 went from 14 to 33 of 40 steps (holding the fast peer up a whole phase) then back to 18 (CI, test_speeds)"""
 MIN_STEPS = 2
 """the fewest inner steps a peer takes per phase, however slow"""
+MIN_WINDOW = 4
+"""the published step time is the median of the inner steps of the last two phases (the current one and the one
+before), or of more phases until there are this many. A window counted in steps (the last 32) held a peer cut to 2
+steps per phase at the step time of a CPU burst for 15 phases after the burst ended: it took 2 of 20 steps to the
+end of the run (CI, test_defaults)"""
 
 
 def steps_for(ratio: Optional[float], local_steps: int) -> int:
@@ -67,7 +72,8 @@ class Pace:
         """inner steps per phase: ``local_steps`` unless this peer is slow"""
         self.ratio: Optional[float] = None
         self._wanted: list = []  # the step counts the looks in a row wanted, all on the same side of ``steps``
-        self._step_times: Deque[float] = collections.deque(maxlen=32)  # seconds of recent inner steps
+        # seconds of the inner steps of the newest phases, the current one last
+        self._phases: Deque[list] = collections.deque([[]], maxlen=5)
 
     @property
     def stride(self) -> float:
@@ -76,16 +82,23 @@ class Pace:
 
     def record_step(self, seconds: float) -> None:
         """One inner step's seconds: forward, backward, data and the update, not the sync work around it."""
-        self._step_times.append(seconds)
+        self._phases[-1].append(seconds)
 
     @property
     def step_s(self) -> Optional[float]:
-        """The median of the recent inner steps' seconds (None until there are a few): what the peer publishes."""
-        return statistics.median(self._step_times) if len(self._step_times) >= 4 else None
+        """The median of the recent inner steps' seconds (see ``MIN_WINDOW``; None until there are that many): what
+        the peer publishes."""
+        recent: list = []
+        for taken, phase in enumerate(reversed(self._phases), start=1):
+            recent.extend(phase)
+            if taken >= 2 and len(recent) >= MIN_WINDOW:
+                break
+        return statistics.median(recent) if len(recent) >= MIN_WINDOW else None
 
     def update(self, step_s: Optional[float], fastest_step_s: Optional[float]) -> int:
         """Take one look (at a phase end) at this peer's step time and the fastest other peer's; return the inner
         steps per phase for the next phase."""
+        self._phases.append([])  # the steps from now on are the next phase's
         if not self.enabled:
             return self.steps
         self.ratio = step_s / fastest_step_s if step_s and fastest_step_s else None

@@ -104,3 +104,28 @@ def test_a_look_the_halving_held_back_counts_toward_the_next_pair():
     pace = Pace(local_steps=10)
     assert pace.update(0.982, 0.1) == 5  # a stall: 2 wanted, held back at 5
     assert pace.update(0.1, 0.1) == 5  # as fast: the other way, the pair is broken
+
+
+def test_the_published_step_time_is_of_the_last_two_phases_however_few_their_steps():
+    """CI: a CPU burst cut a peer to 2 of 20 steps; its window of the last 32 steps kept the burst's time for 15 phases
+    after it, and the peer took 2 steps per phase to the end of the run."""
+    pace = Pace(local_steps=20)
+    assert pace.step_s is None
+    for _ in range(3):  # three phases of 20 steps in a burst: 0.3 s each
+        for _ in range(20):
+            pace.record_step(0.3)
+        pace.update(pace.step_s, 0.04)
+    assert pace.steps == 3  # 7.5x: halved, then the pair of looks
+    for phase in range(3):  # the burst is over: 3 steps per phase at 0.04 s
+        for _ in range(3):
+            pace.record_step(0.04)
+        assert pace.step_s == (0.3 if phase == 0 else 0.04)  # the phase before still counts, then only the new ones
+        pace.update(pace.step_s, 0.04)
+    assert pace.update(0.04, 0.04) == 20  # three looks in a row want every step: back to 20
+    pace = Pace(local_steps=1)  # one step per phase: the window reaches back to four of them
+    for _ in range(4):
+        pace.record_step(0.1)
+        pace.update(pace.step_s, 0.1)
+    pace.record_step(0.2)
+    assert pace.step_s == pytest.approx(0.1)  # the median of 0.2 and the three 0.1s before it
+    assert Pace(local_steps=1).step_s is None
