@@ -44,6 +44,7 @@ from hivemind.utils import get_logger
 
 from p2ptrain.averaging.compression import WireCodec
 from p2ptrain.averaging.context import AveragerContext
+from p2ptrain.averaging.kept_inputs import SpilledInputs, spill
 from p2ptrain.averaging.robust import AGGREGATIONS, robust_aggregate
 from p2ptrain.finite import all_finite
 from p2ptrain.proto import p2ptrain_pb2
@@ -173,6 +174,18 @@ class _Kept:
     members: frozenset
     inputs: Dict[Tuple[int, int], runtime_pb2.Tensor]  # (part index, sender index) -> the part as it came
     until: float
+    spilled: Optional[SpilledInputs] = None  # those written out after the round (kept_inputs.py), gone from inputs
+
+    def serialized(self, key: Tuple[int, int]) -> Optional[bytes]:
+        """One input as its sender sent it, from the file or from memory; None if not kept."""
+        if self.spilled is not None and key in self.spilled:
+            return self.spilled.get(key)
+        part = self.inputs.get(key)
+        return None if part is None else part.SerializeToString()
+
+    def drop(self) -> None:
+        if self.spilled is not None:
+            self.spilled.close()
 
 
 class Audits:
@@ -203,19 +216,47 @@ class Audits:
         """Keep a round's inputs (filled while it runs) for ``AUDIT_KEEP_S``, the last ``KEPT_ROUNDS`` rounds."""
         now = time.monotonic()
         for old in [g for g, kept in self._kept.items() if kept.until < now]:
-            del self._kept[old]
+            self._kept.pop(old).drop()
         self._kept[group_id] = _Kept(frozenset(members), inputs, now + AUDIT_KEEP_S)
         while len(self._kept) > KEPT_ROUNDS:
-            self._kept.popitem(last=False)
+            self._kept.popitem(last=False)[1].drop()
+
+    def set_aside(self, group_id: bytes) -> None:
+        """After our round: write its inputs out of memory (kept_inputs.py), in the background. Inputs that come
+        later (a slow sender's, after we went on) stay in memory."""
+        kept = self._kept.get(group_id)
+        if kept is None or not kept.inputs or kept.spilled is not None:
+            return
+        task = asyncio.create_task(self._spill(group_id, kept))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _spill(self, group_id: bytes, kept: _Kept) -> None:
+        inputs = dict(kept.inputs)
+        try:
+            spilled = await asyncio.get_event_loop().run_in_executor(None, spill, inputs)
+        except OSError as e:
+            logger.warning(f"could not write a round's audit inputs to a temporary file ({e!r}); they stay in "
+                           "memory. Point TMPDIR at a directory with room (one copy of the model in wire format)")
+            return
+        if self._kept.get(group_id) is not kept:  # dropped meanwhile
+            spilled.close()
+            return
+        kept.spilled = spilled
+        for key in inputs:
+            kept.inputs.pop(key, None)
 
     def input_for(self, request: p2ptrain_pb2.AuditRequest, caller: PeerID) -> p2ptrain_pb2.AuditInput:
         """``rpc_audit_input``: one kept input, to a member of its group."""
         kept = self._kept.get(request.group_id)
         if kept is None or kept.until < time.monotonic() or caller not in kept.members:
             return p2ptrain_pb2.AuditInput(available=False)
-        part = kept.inputs.get((request.part_index, request.sender_index))
-        return p2ptrain_pb2.AuditInput(available=part is not None,
-                                       tensor_part=part.SerializeToString() if part is not None else b"")
+        try:
+            data = kept.serialized((request.part_index, request.sender_index))
+        except OSError as e:
+            logger.warning(f"could not read a kept audit input back: {e!r}")
+            data = None
+        return p2ptrain_pb2.AuditInput(available=data is not None, tensor_part=data or b"")
 
     def start(self, group_id: bytes, targets: List[Tuple[PeerID, int, averaging_pb2.AveragingData]],
               codec: WireCodec) -> None:

@@ -86,15 +86,18 @@ async def run_butterfly(averager, tensors: Sequence[torch.Tensor], group_info: G
         averager.auditor.keep(group_id, group_info.peer_ids, runner.kept_inputs)
     averager.evidence.own_rms_last = runner._own_rms or averager.evidence.own_rms_last  # evidence is judged by it
 
-    if runner.modes[group_info.peer_ids.index(averager.peer_id)] == AveragingMode.AUX:
-        async for _ in runner:
-            raise ValueError("aux peers should not receive averaged tensors")
-    else:
-        # collect first, write after: a round that fails half-way must leave the local tensors as they were
-        await average_into(runner, tensors, averager.report.record_failed)
-        averager.output_buffer.keep(runner.tensor_part_container.buffer)  # a round that failed keeps none
-        averager.report.record_link_rate(link_rate(runner.bytes_sent, runner.bytes_received,
-                                                   time.perf_counter() - started))
-        averager.last_updated = time.time()
-        averager.auditor.start(group_id, runner.audit_targets, runner._codec)
+    try:
+        if runner.modes[group_info.peer_ids.index(averager.peer_id)] == AveragingMode.AUX:
+            async for _ in runner:
+                raise ValueError("aux peers should not receive averaged tensors")
+        else:
+            # collect first, write after: a round that fails half-way must leave the local tensors as they were
+            await average_into(runner, tensors, averager.report.record_failed)
+            averager.output_buffer.keep(runner.tensor_part_container.buffer)  # a round that failed keeps none
+            averager.report.record_link_rate(link_rate(runner.bytes_sent, runner.bytes_received,
+                                                       time.perf_counter() - started))
+            averager.last_updated = time.time()
+            averager.auditor.start(group_id, runner.audit_targets, runner._codec)
+    finally:
+        averager.auditor.set_aside(group_id)  # the inputs we signed for wait for their auditors in a file
     return round_result(runner, len(group_info.peer_ids))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import tempfile
 
 import pytest
 import torch
@@ -13,8 +14,8 @@ from hivemind.compression import CompressionInfo
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 
-from p2ptrain.averaging.audit import (AUDIT_TOLERANCE, check_receipt, choose_audits, commitment, make_receipt,
-                                      verdict)
+from p2ptrain.averaging.audit import (AUDIT_TOLERANCE, KEPT_ROUNDS, Audits, check_receipt, choose_audits, commitment,
+                                      commitment_of, make_receipt, verdict)
 from p2ptrain.averaging.compression import get_compression
 from p2ptrain.averaging.evidence import AverageSigner, judge, signed_average, verified_receipt
 from p2ptrain.averaging.reducer import Reducer
@@ -200,3 +201,54 @@ def test_a_commitment_binds_every_field_of_the_part():
         other = message_of(message.SerializeToString())
         change(other)
         assert commitment(other) != base
+
+
+def _kept_round(tmp_dir, inputs, members):
+    """An ``Audits`` that kept ``inputs`` for GROUP and set them aside after the round, with ``tmp_dir`` as TMPDIR."""
+    tempfile.tempdir = str(tmp_dir)
+    try:
+        async def run():
+            audits = Audits(None, 1, report=lambda *args, **kwargs: None)
+            audits.keep(GROUP, members, inputs)
+            audits.set_aside(GROUP)
+            await asyncio.gather(*audits._tasks)
+            return audits
+        return asyncio.run(run())
+    finally:
+        tempfile.tempdir = None
+
+
+def _served(audits, part_index, sender_index, caller):
+    request = p2ptrain_pb2.AuditRequest(group_id=GROUP, part_index=part_index, sender_index=sender_index)
+    answer = audits.input_for(request, caller)
+    return answer.tensor_part if answer.available else None
+
+
+def test_a_reducer_keeps_its_audit_inputs_in_a_file_without_a_name_after_the_round(tmp_path):
+    """Up to 4 rounds of inputs (4 copies of the vector in wire format) stayed in the averager's memory."""
+    serialized, _, commitments = honest_inputs(3)
+    inputs = {(0, i): message_of(s) for i, s in enumerate(serialized)}
+    auditor, stranger = PeerID(b"\x12\x20" + b"a" * 32), PeerID(b"\x12\x20" + b"b" * 32)
+    audits = _kept_round(tmp_path, inputs, [auditor])
+    assert inputs == {} and len(audits._kept[GROUP].spilled) == 3  # out of memory...
+    assert list(tmp_path.iterdir()) == []  # ... into a file no exit can leave behind
+    for i, expected in enumerate(serialized):
+        served = _served(audits, 0, i, auditor)
+        assert served == expected and commitment_of(served) == commitments[i]
+    assert _served(audits, 0, 3, auditor) is None and _served(audits, 1, 0, auditor) is None
+    assert _served(audits, 0, 0, stranger) is None  # only to a member of the group
+    audits._kept[GROUP].inputs[(1, 0)] = message_of(serialized[0])  # a slow sender's part, after we went on
+    assert _served(audits, 1, 0, auditor) == serialized[0]
+    spilled = audits._kept[GROUP].spilled
+    for later in range(KEPT_ROUNDS):  # the round is dropped with the rounds after it: its file is closed
+        audits.keep(bytes([later]) * 32, [auditor], {})
+    assert GROUP not in audits._kept and spilled.get((0, 0)) is None
+
+
+def test_audit_inputs_stay_in_memory_when_the_temporary_directory_cannot_take_them(tmp_path):
+    serialized, _, _ = honest_inputs(2)
+    inputs = {(0, i): message_of(s) for i, s in enumerate(serialized)}
+    auditor = PeerID(b"\x12\x20" + b"a" * 32)
+    audits = _kept_round(tmp_path / "missing", inputs, [auditor])
+    assert len(inputs) == 2 and audits._kept[GROUP].spilled is None
+    assert [_served(audits, 0, i, auditor) for i in range(2)] == serialized
