@@ -29,6 +29,7 @@ import asyncio
 import ctypes
 import math
 import multiprocessing as mp
+import os
 import random
 import struct
 import time
@@ -36,6 +37,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import psutil
 import torch
 from blake3 import blake3
 from hivemind.p2p import PeerID
@@ -44,7 +46,7 @@ from hivemind.utils import get_logger
 
 from p2ptrain.averaging.compression import WireCodec
 from p2ptrain.averaging.context import AveragerContext
-from p2ptrain.averaging.kept_inputs import SpilledInputs, spill
+from p2ptrain.averaging.kept_inputs import SpilledInputs, inputs_nbytes, spill
 from p2ptrain.averaging.robust import AGGREGATIONS, robust_aggregate
 from p2ptrain.finite import all_finite
 from p2ptrain.proto import p2ptrain_pb2
@@ -169,12 +171,31 @@ def choose_audits(parts_by_reducer: Sequence[int], me: int, audit_parts: int) ->
     return set(random.SystemRandom().sample(candidates, min(audit_parts, len(candidates))))
 
 
+AUDIT_MEMORY_SHARE = 0.05
+"""kept inputs a reducer holds in memory, as a share of the host's RAM (``P2PTRAIN_AUDIT_MEMORY_MB`` overrides it);
+over it, the oldest rounds' move to a file. Writing them out costs CPU and memory bandwidth beside the next sync's
+work (it doubled the outer step of 2 peers of the 124m model on 2 cores): a model whose rounds fit keeps them in
+memory (4 rounds of the 124m model in fp16, 1 GB, on a host of 20 GB or more); a 1B model's 2 GB a round go out"""
+
+
+def audit_memory_budget() -> int:
+    """``AUDIT_MEMORY_SHARE`` of this host's RAM, or ``P2PTRAIN_AUDIT_MEMORY_MB`` (0: every round goes out)."""
+    given = os.environ.get("P2PTRAIN_AUDIT_MEMORY_MB")
+    if given is not None:
+        try:
+            return max(0, int(float(given) * 1e6))
+        except ValueError:
+            logger.warning(f"ignoring P2PTRAIN_AUDIT_MEMORY_MB={given!r}: not a number of megabytes")
+    return int(AUDIT_MEMORY_SHARE * psutil.virtual_memory().total)
+
+
 @dataclass
 class _Kept:
     members: frozenset
     inputs: Dict[Tuple[int, int], runtime_pb2.Tensor]  # (part index, sender index) -> the part as it came
     until: float
     spilled: Optional[SpilledInputs] = None  # those written out after the round (kept_inputs.py), gone from inputs
+    spilling: bool = False
 
     def serialized(self, key: Tuple[int, int]) -> Optional[bytes]:
         """One input as its sender sent it, from the file or from memory; None if not kept."""
@@ -202,6 +223,8 @@ class Audits:
         self.parts = audit_parts
         self._report = report
         self._kept: "OrderedDict[bytes, _Kept]" = OrderedDict()
+        self.memory_budget = audit_memory_budget()
+        """bytes of kept inputs held in memory; over it, the oldest rounds' go to a file (kept_inputs.py)"""
         self._tasks: set = set()
         # parts audited, bytes fetched for them and reducers caught so far (the host reads: metrics, benchmarks)
         self._counts = mp.Array(ctypes.c_int64, 3)
@@ -222,14 +245,21 @@ class Audits:
             self._kept.popitem(last=False)[1].drop()
 
     def set_aside(self, group_id: bytes) -> None:
-        """After our round: write its inputs out of memory (kept_inputs.py), in the background. Inputs that come
-        later (a slow sender's, after we went on) stay in memory."""
-        kept = self._kept.get(group_id)
-        if kept is None or not kept.inputs or kept.spilled is not None:
+        """After our round (``group_id``'s): if the rounds' inputs in memory are over ``memory_budget``, write the
+        oldest rounds' out (kept_inputs.py), in the background, until the rest fits. Inputs that come later (a slow
+        sender's, after we went on) stay in memory."""
+        if group_id not in self._kept:
             return
-        task = asyncio.create_task(self._spill(group_id, kept))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        held = [(g, kept) for g, kept in self._kept.items() if kept.inputs and not kept.spilling]
+        total = sum(inputs_nbytes(kept.inputs) for _, kept in held)
+        for g, kept in held:  # oldest first
+            if total <= self.memory_budget:
+                break
+            total -= inputs_nbytes(kept.inputs)
+            kept.spilling = True
+            task = asyncio.create_task(self._spill(g, kept))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def _spill(self, group_id: bytes, kept: _Kept) -> None:
         inputs = dict(kept.inputs)

@@ -20,6 +20,7 @@ from p2ptrain.averaging.compression import get_compression
 from p2ptrain.averaging.evidence import AverageSigner, judge, signed_average, verified_receipt
 from p2ptrain.averaging.reducer import Reducer
 from p2ptrain.averaging.robust import weight_cap
+from p2ptrain.averaging.wire_part import WireTensor
 from p2ptrain.proto import p2ptrain_pb2
 from p2ptrain.security import PeerSignatureValidator, peer_id_of
 
@@ -204,11 +205,13 @@ def test_a_commitment_binds_every_field_of_the_part():
 
 
 def _kept_round(tmp_dir, inputs, members):
-    """An ``Audits`` that kept ``inputs`` for GROUP and set them aside after the round, with ``tmp_dir`` as TMPDIR."""
+    """An ``Audits`` with no memory for inputs that kept ``inputs`` for GROUP and set them aside after the round, with
+    ``tmp_dir`` as TMPDIR."""
     tempfile.tempdir = str(tmp_dir)
     try:
         async def run():
             audits = Audits(None, 1, report=lambda *args, **kwargs: None)
+            audits.memory_budget = 0
             audits.keep(GROUP, members, inputs)
             audits.set_aside(GROUP)
             await asyncio.gather(*audits._tasks)
@@ -228,6 +231,8 @@ def test_a_reducer_keeps_its_audit_inputs_in_a_file_without_a_name_after_the_rou
     """Up to 4 rounds of inputs (4 copies of the vector in wire format) stayed in the averager's memory."""
     serialized, _, commitments = honest_inputs(3)
     inputs = {(0, i): message_of(s) for i, s in enumerate(serialized)}
+    # as the part stream receives them: the fields and a view of the bytes it read (written out without a copy)
+    inputs[(0, 1)] = WireTensor.of(inputs[(0, 1)], memoryview(bytearray(inputs[(0, 1)].buffer)))
     auditor, stranger = PeerID(b"\x12\x20" + b"a" * 32), PeerID(b"\x12\x20" + b"b" * 32)
     audits = _kept_round(tmp_path, inputs, [auditor])
     assert inputs == {} and len(audits._kept[GROUP].spilled) == 3  # out of memory...
@@ -252,3 +257,29 @@ def test_audit_inputs_stay_in_memory_when_the_temporary_directory_cannot_take_th
     audits = _kept_round(tmp_path / "missing", inputs, [auditor])
     assert len(inputs) == 2 and audits._kept[GROUP].spilled is None
     assert [_served(audits, 0, i, auditor) for i in range(2)] == serialized
+
+
+def test_the_oldest_rounds_inputs_go_out_first_and_only_over_the_memory_budget(tmp_path, monkeypatch):
+    serialized, _, _ = honest_inputs(2)
+    part_bytes = message_of(serialized[0]).ByteSize()
+    monkeypatch.setenv("P2PTRAIN_AUDIT_MEMORY_MB", str(2.5 * 2 * part_bytes / 1e6))  # two and a half rounds
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    auditor = PeerID(b"\x12\x20" + b"a" * 32)
+    rounds = [bytes([k]) * 32 for k in range(4)]
+
+    async def run():
+        audits = Audits(None, 1, report=lambda *args, **kwargs: None)
+        assert audits.memory_budget == int(2.5 * 2 * part_bytes)
+        for group in rounds:
+            audits.keep(group, [auditor], {(0, i): message_of(s) for i, s in enumerate(serialized)})
+            audits.set_aside(group)
+            await asyncio.gather(*audits._tasks)
+        return audits
+    audits = asyncio.run(run())
+    assert [audits._kept[g].spilled is not None for g in rounds] == [True, True, False, False]
+    for group in rounds:
+        served = [audits.input_for(p2ptrain_pb2.AuditRequest(group_id=group, part_index=0, sender_index=i), auditor)
+                  for i in range(2)]
+        assert [answer.tensor_part for answer in served] == serialized
+    monkeypatch.setenv("P2PTRAIN_AUDIT_MEMORY_MB", "lots")  # not a number: the share of the RAM, and a warning
+    assert Audits(None, 1, report=None).memory_budget > 0
