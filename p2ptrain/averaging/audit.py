@@ -226,14 +226,16 @@ class Audits:
         self.memory_budget = audit_memory_budget()
         """bytes of kept inputs held in memory; over it, the oldest rounds' go to a file (kept_inputs.py)"""
         self._tasks: set = set()
-        # parts audited, bytes fetched for them and reducers caught so far (the host reads: metrics, benchmarks)
-        self._counts = mp.Array(ctypes.c_int64, 3)
+        # parts audited, bytes fetched for them and reducers caught so far, and bytes of our kept inputs written out
+        # of memory (the host reads: metrics, benchmarks)
+        self._counts = mp.Array(ctypes.c_int64, 4)
 
     @property
     def counts(self) -> Dict[str, int]:
-        """Parts this averager audited so far, the bytes it fetched for them, and the reducers it caught."""
-        parts, fetched, caught = self._counts[:]
-        return {"parts": parts, "bytes": fetched, "caught": caught}
+        """Parts this averager audited so far, the bytes it fetched for them, the reducers it caught, and the bytes
+        of its kept inputs it wrote out of memory (``spilled``)."""
+        parts, fetched, caught, spilled = self._counts[:]
+        return {"parts": parts, "bytes": fetched, "caught": caught, "spilled": spilled}
 
     def keep(self, group_id: bytes, members: Sequence[PeerID], inputs: Dict[Tuple[int, int], runtime_pb2.Tensor]):
         """Keep a round's inputs (filled while it runs) for ``AUDIT_KEEP_S``, the last ``KEPT_ROUNDS`` rounds."""
@@ -275,6 +277,8 @@ class Audits:
         kept.spilled = spilled
         for key in inputs:
             kept.inputs.pop(key, None)
+        with self._counts.get_lock():
+            self._counts[3] += spilled.size
 
     def input_for(self, request: p2ptrain_pb2.AuditRequest, caller: PeerID) -> p2ptrain_pb2.AuditInput:
         """``rpc_audit_input``: one kept input, to a member of its group."""

@@ -662,10 +662,11 @@ class Auditor(DiLoCoOptimizer):
         super().__init__(*args, **kwargs, audit_parts=1000)
 
 
-def shady_swarm(swarm_key, tmp_path, lie: str, served: bool = False):
+def shady_swarm(swarm_key, tmp_path, lie: str, served: bool = False, audit_counts: Optional[list] = None):
     """Two honest auditors and a ``ShadyReducer`` in the first round's group (3 syncs), then a newcomer that reads
     the evidence while the honest peers still run (they serve the proofs that are not in the DHT; ``served``: none
-    is). Returns the honest parameters and histories, the newcomer's exclusions, the rogue's id and the honest ids."""
+    is). Returns the honest parameters and histories, the newcomer's exclusions, the rogue's id and the honest ids;
+    the honest averagers' audit counts go into ``audit_counts``."""
     dhts = honest_swarm(swarm_key)
     rogue_dht, _ = start_rogue(swarm_key, dhts, str(tmp_path / "rogue.key"))
     rogue_dht.auth = SwarmAuth.from_key(bytes.fromhex(swarm_key.read_text()))
@@ -691,8 +692,10 @@ def shady_swarm(swarm_key, tmp_path, lie: str, served: bool = False):
             except Exception:
                 pass
 
-    def newcomer_reads(_opts):  # while the honest peers run: they serve the proofs that are not in the DHT
+    def newcomer_reads(opts):  # while the honest peers run: they serve the proofs that are not in the DHT
         newcomer_bans.extend(newcomer_reads_the_evidence(swarm_key, dhts))
+        if audit_counts is not None:
+            audit_counts.extend(opt.averager.audits for opt in opts)
 
     ShadyReducer.lie = lie  # read in the rogue's averager process, forked below
     Audits.max_proof_bytes = 0 if served else MAX_PROOF_BYTES  # in the honest ones, forked too
@@ -713,17 +716,26 @@ def shady_swarm(swarm_key, tmp_path, lie: str, served: bool = False):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lie", ["x1.5", "drop", "x1.5-served"])
+@pytest.mark.parametrize("lie", ["x1.5", "drop", "x1.5-served", "x1.5-from-file"])
 def test_a_reducer_whose_average_is_wrong_is_caught_by_an_audit_and_excluded_swarm_wide(swarm_key, tmp_path, capfd,
-                                                                                         logs_to_stderr, lie):
+                                                                                         logs_to_stderr, monkeypatch,
+                                                                                         lie):
     """A key holder in the first round's group answers, for its range, averages that pass every check of the round
     (signed, plausible in size, with a receipt naming every sender's part as sent) but are wrong: x1.5, or without
     one member's part. The honest peers audit its parts after the round, recompute them from the inputs it signed
     for, exclude it, and average every later round without it. Their proof (the signed average, receipt and inputs)
     convicts it on a newcomer that never met it, before that newcomer looks for state: inside their DHT records, or
-    ("-served") served by them on request, as a real model's proofs are (too large for the DHT)."""
-    _, histories, newcomer_bans, me, honest = shady_swarm(swarm_key, tmp_path, lie.removesuffix("-served"),
-                                                          served=lie.endswith("-served"))
+    ("-served") served by them on request, as a real model's proofs are (too large for the DHT). "-from-file": every
+    reducer's inputs leave its memory after the round (no memory budget: kept_inputs.py), and the audits read them
+    back from its file."""
+    from_file, audit_counts = lie.endswith("-from-file"), []
+    if from_file:
+        monkeypatch.setenv("P2PTRAIN_AUDIT_MEMORY_MB", "0")
+    _, histories, newcomer_bans, me, honest = shady_swarm(swarm_key, tmp_path,
+                                                          lie.removesuffix("-served").removesuffix("-from-file"),
+                                                          served=lie.endswith("-served"), audit_counts=audit_counts)
+    # the honest reducers' inputs left their memory after each round exactly when there was no budget for them
+    assert len(audit_counts) == 2 and all((c["spilled"] > 0) == from_file for c in audit_counts), audit_counts
     logs = capfd.readouterr().err
     caught = f"excluding peer {me} from this run for 600s: audited, part #"
     assert caught in logs and "it signed an average at distance" in logs, logs[-3000:]

@@ -236,6 +236,7 @@ def test_a_reducer_keeps_its_audit_inputs_in_a_file_without_a_name_after_the_rou
     auditor, stranger = PeerID(b"\x12\x20" + b"a" * 32), PeerID(b"\x12\x20" + b"b" * 32)
     audits = _kept_round(tmp_path, inputs, [auditor])
     assert inputs == {} and len(audits._kept[GROUP].spilled) == 3  # out of memory...
+    assert audits.counts["spilled"] == sum(map(len, serialized))
     assert list(tmp_path.iterdir()) == []  # ... into a file no exit can leave behind
     for i, expected in enumerate(serialized):
         served = _served(audits, 0, i, auditor)

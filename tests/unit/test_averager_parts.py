@@ -194,7 +194,7 @@ def test_an_audit_recomputes_a_part_and_excludes_and_reports_a_reducer_that_lied
     assert reducer.asked == ([0, 1, 2] if shows else [0])
     if not caught:
         assert host.bans == [] and reports == [] and audits.counts == {"parts": 1, "bytes": sum(map(len, inputs)),
-                                                                        "caught": 0}
+                                                                        "caught": 0, "spilled": 0}
         return
     (banned, why), = host.bans
     assert banned == peer(2) and caught in why
