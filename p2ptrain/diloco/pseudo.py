@@ -63,12 +63,15 @@ class Contribution:
                                 s.averager.codec, s.averager.part_size_bytes)
 
     @torch.no_grad()
-    def fill_stepped_state(self) -> None:
+    def fill_stepped_state(self, needed: bool = True) -> None:
         """Mixing groups: this peer's outer step taken alone, from the pseudo-gradient in the buffers (after its
         error feedback), into the state buffers. A group whose members start from different global parameters
-        averages these instead of the pseudo-gradients (``RoundResult.mixed``). No-op without mixing."""
+        averages these instead of the pseudo-gradients (``RoundResult.mixed``). No-op without mixing; not
+        ``needed`` (``swarm_view.may_mix_states``): left unfilled, and this round's gathered data says so (then no
+        group of ours averages states)."""
         s = self.state
-        if not s.mixing:
+        s.stepped_ready = s.mixing and needed
+        if not s.stepped_ready:
             return
         n = len(s.global_params)
         with s.averager.get_tensors() as buffers, s.state_lock:

@@ -53,9 +53,9 @@ class Reporter:
             gather={"outer_step": s.outer_step, "samples": s.samples_since_sync,
                     # the digest of the global parameters this round starts from: every member must have the same
                     "digest": s.digest,
-                    # it keeps stepped-state buffers: a group of such peers started from different parameters
-                    # averages their states (mixing groups) instead of repairing
-                    "mixing": s.mixing,
+                    # its stepped-state buffers hold this sync's: a group of such peers started from different
+                    # parameters averages their states (mixing groups) instead of repairing
+                    "mixing": s.mixing and s.stepped_ready,
                     # a pseudo-gradient of fewer inner steps than H (a newcomer's first, after it took the state
                     # mid-phase) is smaller than the others': widen its norm check in proportion
                     "norm_scale": s.local_steps / max(1, min(s.steps_since_sync, s.local_steps))},

@@ -10,7 +10,7 @@ import math
 import threading
 import time
 from dataclasses import replace
-from typing import Callable, List, Optional
+from typing import Callable, Collection, List, Optional
 
 from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.matchmaking import MatchmakingException
@@ -21,7 +21,7 @@ from p2ptrain.averaging import RoundResult
 from p2ptrain.diloco.records import RoundOutcome, RoundOutlook
 from p2ptrain.diloco.round_policy import (Ask, Attempt, Attempted, Finish, Look, LookAgain, Memory, RoundSettings,
                                           Settle, Settled, behind, decide)
-from p2ptrain.diloco.swarm_view import Position, SwarmView
+from p2ptrain.diloco.swarm_view import Position, SwarmView, may_mix_states
 
 __all__ = ["BEHIND_POLL_S", "Rounds"]
 
@@ -127,6 +127,10 @@ class Rounds:
         """Whether this peer only joins groups: a client, or a relayed peer while a public one is live (relays.py)."""
         relayed = getattr(self.dht, "relayed", None)
         return bool(self.averager.client_mode) or (relayed is not None and relayed.follows_only)
+
+    def may_mix_states(self, outlook: RoundOutlook, outer_step: int, last_group: Collection[str]) -> bool:
+        """Whether this round's group may average stepped states (``swarm_view.may_mix_states``)."""
+        return may_mix_states(outer_step, outlook, last_group, self.settings.target_group_size)
 
     def behind(self, outlook: RoundOutlook) -> bool:
         """Whether this round went on without this peer (``round_policy.behind``): then it takes the swarm's state."""

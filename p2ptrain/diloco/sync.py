@@ -65,7 +65,7 @@ class BlockingSync:
                 return record
         with clock("pseudo_gradient"):
             diverged = self.contribution.fill_pseudo_gradient()
-            self.contribution.fill_stepped_state()
+            self.contribution.fill_stepped_state(self.rounds.may_mix_states(outlook, s.outer_step, s.last_group))
             if not diverged:
                 self.contribution.fill_sparse_message()
         with clock("publish"):

@@ -468,19 +468,21 @@ def test_peer_behind_the_swarm_catches_up_instead_of_averaging(two_dhts, third_d
             opt.close()
 
 
-def test_diverged_global_parameters_are_detected_and_repaired(two_dhts):
+@pytest.mark.parametrize("target_group_size", [None, 2])
+def test_diverged_global_parameters_are_detected_and_repaired(two_dhts, target_group_size):
     """Peers that start a round from different global parameters (e.g. one kept its own values for parts whose
     reducer died) notice it from the digests in the round and end the round on one state again. Without a
-    --target-group-size (no mixing groups) one of them takes the other's state."""
-    models, opts, _ = train_peers(two_dhts, compression="fp16", local_steps=3, outer_steps=1, run_id="digest",
-                                  target_group_size=None)
+    --target-group-size (no mixing groups) one of them takes the other's state; with one too, when they averaged
+    together last time (so neither filled its stepped state: swarm_view.may_mix_states)."""
+    models, opts, _ = train_peers(two_dhts, compression="fp16", local_steps=3, outer_steps=1,
+                                  run_id=f"digest-{target_group_size}", target_group_size=target_group_size)
     try:
         with torch.no_grad():  # peer 1's global parameters silently drift by one ulp-sized step
             opts[1].global_params[0].view(-1)[0] += 1e-3
         opts[1]._digest = opts[1]._global_digest()
         sync_together(opts)
         records = [opt.history[-1] for opt in opts]
-        assert all(r.averaged and r.group_size == 2 for r in records)
+        assert all(r.averaged and r.group_size == 2 and not r.mixed for r in records)
         assert sum(r.repaired for r in records) == 1, records
         for a, b in zip(opts[0].global_params, opts[1].global_params):
             assert torch.equal(a, b)
@@ -504,6 +506,9 @@ def test_diverged_members_of_a_mixing_group_average_their_stepped_states(two_dht
         gen = torch.Generator().manual_seed(7)
         with torch.no_grad():  # peer 1 holds other global parameters, as after a round in another group
             opts[1].global_params[0].view(-1)[:4] += 1e-3
+        for opt in opts:  # ... which each peer's record of its last group says (they fill their stepped states)
+            opt._state.last_group = set()
+        with torch.no_grad():
             for model in models:  # and each peer moved its model: a pseudo-gradient of its own
                 for p in model.parameters():
                     p.add_(torch.randn(p.shape, generator=gen), alpha=1e-3)

@@ -177,6 +177,9 @@ class FakeRounds:
     def outlook(self, position):
         return None
 
+    def may_mix_states(self, outlook, outer_step, last_group):
+        return True
+
     def behind(self, outlook):
         return self.is_behind
 

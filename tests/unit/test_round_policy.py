@@ -388,3 +388,22 @@ def test_a_client_mode_peer_with_no_public_peer_says_why_no_group_can_form(other
         rounds.explain_no_group()
         rounds.explain_no_group()
     assert sum("no group can form" in r.getMessage() for r in caplog.records) == said
+
+
+def test_the_stepped_state_is_filled_only_when_a_member_may_start_from_other_parameters():
+    """Filling it took 0.19-0.27 s of every 124m sync (two passes over the model), for groups whose members had all
+    averaged together the round before and so started from the same parameters."""
+    from p2ptrain.diloco.swarm_view import may_mix_states
+
+    def outlook(ready=(), late=(), next_step=(), previous_step=()):
+        return RoundOutlook(ahead=False, ready=list(ready), late={p: 3 for p in late}, next_step=list(next_step),
+                            previous_step=list(previous_step))
+    assert not may_mix_states(0, outlook(ready=["b", "c"]), set(), 4)  # the first round: everyone's initial state
+    assert not may_mix_states(5, outlook(ready=["b"], late=["c"]), {"b", "c"}, 4)  # all of them averaged with us
+    assert not may_mix_states(5, outlook(ready=["b"]), {"b", "c"}, 4)  # c left: still one starting point
+    assert not may_mix_states(5, outlook(), set(), 4)  # alone
+    assert may_mix_states(5, outlook(ready=["b", "d"]), {"b", "c"}, 4)  # d averaged elsewhere last time
+    assert may_mix_states(5, outlook(ready=["b"], next_step=["c"]), {"b"}, 4)  # another group is a round ahead
+    assert may_mix_states(5, outlook(ready=["b"], previous_step=["c"]), {"b"}, 4)  # ... or still in the last
+    assert may_mix_states(0, outlook(ready=list("bcde")), set(), 4)  # 5 peers in groups of 4: two groups
+    assert not may_mix_states(5, outlook(ready=list("bcde")), set("bcde"), None)  # no cap: one group
