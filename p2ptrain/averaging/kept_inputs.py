@@ -17,6 +17,7 @@ import tempfile
 import threading
 from typing import Dict, List, Mapping, Optional, Tuple, Union
 
+from google.protobuf.internal.encoder import _VarintBytes  # protobuf's own varint writer
 from hivemind.proto import runtime_pb2
 
 from p2ptrain.averaging.wire_part import Buffer, WireTensor
@@ -72,20 +73,11 @@ def serialized_pieces(message: Union[runtime_pb2.Tensor, WireTensor]) -> List[Bu
     if not isinstance(message, WireTensor):
         return [message.SerializeToString()]
     buffer = memoryview(message.buffer).cast("B") if len(message.buffer) else b""
-    head = _BUFFER_TAG + _varint(len(buffer)) if len(buffer) else b""
+    head = _BUFFER_TAG + _VarintBytes(len(buffer)) if len(buffer) else b""
     return [head, buffer, message.meta().SerializeToString()]
 
 
 _BUFFER_TAG = bytes([runtime_pb2.Tensor.BUFFER_FIELD_NUMBER << 3 | 2])  # field 1, length-delimited
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
 
 
 def _write_all(fd: int, pieces: List[Buffer]) -> int:

@@ -284,3 +284,13 @@ def test_the_oldest_rounds_inputs_go_out_first_and_only_over_the_memory_budget(t
         assert [answer.tensor_part for answer in served] == serialized
     monkeypatch.setenv("P2PTRAIN_AUDIT_MEMORY_MB", "lots")  # not a number: the share of the RAM, and a warning
     assert Audits(None, 1, report=None).memory_budget > 0
+
+
+@pytest.mark.parametrize("values", [0, 1, 100, 1 << 21])
+def test_a_kept_wire_tensor_is_written_as_protobuf_serializes_it(values):
+    """Written as its fields around a view of its bytes (no copy): what an auditor reads back must be the sender's
+    message to the byte, the length's varint of one to three bytes included."""
+    from p2ptrain.averaging.kept_inputs import serialized_pieces
+    part = torch.arange(values, dtype=torch.float16)
+    wire = WireTensor(memoryview(part.numpy()).cast("B") if values else b"", (values,), "float16", 3)
+    assert b"".join(bytes(piece) for piece in serialized_pieces(wire)) == wire.to_proto().SerializeToString()
