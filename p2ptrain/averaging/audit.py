@@ -252,12 +252,13 @@ class Audits:
         sender's, after we went on) stay in memory."""
         if group_id not in self._kept:
             return
-        held = [(g, kept) for g, kept in self._kept.items() if kept.inputs and not kept.spilling]
-        total = sum(inputs_nbytes(kept.inputs) for _, kept in held)
-        for g, kept in held:  # oldest first
+        held = [(g, kept, inputs_nbytes(kept.inputs)) for g, kept in self._kept.items()
+                if kept.inputs and not kept.spilling]
+        total = sum(nbytes for _, _, nbytes in held)
+        for g, kept, nbytes in held:  # oldest first
             if total <= self.memory_budget:
                 break
-            total -= inputs_nbytes(kept.inputs)
+            total -= nbytes
             kept.spilling = True
             task = asyncio.create_task(self._spill(g, kept))
             self._tasks.add(task)

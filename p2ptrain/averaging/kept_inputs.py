@@ -4,9 +4,10 @@ While a round runs, the inputs a reducer signs for are the received parts themse
 for the group's auditors, ``AUDIT_KEEP_S``, for the last ``KEPT_ROUNDS`` rounds: held in memory, that was up to
 four copies of the vector in wire format in the averager process (4 x 243 MB at the 124m model in fp16, 4 x 2 GB
 at 1B), of which each auditor reads one part. Over a memory budget (``audit.AUDIT_MEMORY_SHARE`` of the RAM),
-``spill`` writes the oldest rounds', after the round and off the event loop, into an anonymous temporary file (``tempfile.TemporaryFile``: O_TMPFILE on Linux, so no name exists that any exit, even
-a SIGKILL, could leave behind) in the temporary directory (``TMPDIR``): the kernel's page cache holds them while
-memory is free and writes them to disk when it is not. On a tmpfs ``TMPDIR`` they stay in memory (as shared memory
+``spill`` writes the oldest rounds', after the round and off the event loop, into an anonymous temporary file
+(``tempfile.TemporaryFile``: O_TMPFILE on Linux, so no name exists that any exit, even a SIGKILL, could leave behind)
+in the temporary directory (``TMPDIR``): the kernel's page cache holds them while memory is free and writes them to
+disk when it is not. On a tmpfs ``TMPDIR`` they stay in memory (as shared memory
 that swap can take). An input is read back with one ``pread`` when an auditor asks for it.
 """
 

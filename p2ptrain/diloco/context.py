@@ -44,7 +44,7 @@ class PeerState:
     mixing: bool = False
     """groups of at most target_group_size average stepped states where their members differ (mixing.py)"""
     stepped_ready: bool = False
-    """mixing: the state buffers hold this sync's stepped state (``Contribution.fill_stepped_state``)"""
+    """the state buffers hold this sync's stepped state (``Contribution.fill_stepped_state``; never without mixing)"""
     peer_id: str = ""
     """this peer's base58 id"""
     run_id: str = ""

@@ -55,7 +55,7 @@ class Reporter:
                     "digest": s.digest,
                     # its stepped-state buffers hold this sync's: a group of such peers started from different
                     # parameters averages their states (mixing groups) instead of repairing
-                    "mixing": s.mixing and s.stepped_ready,
+                    "mixing": s.stepped_ready,
                     # a pseudo-gradient of fewer inner steps than H (a newcomer's first, after it took the state
                     # mid-phase) is smaller than the others': widen its norm check in proportion
                     "norm_scale": s.local_steps / max(1, min(s.steps_since_sync, s.local_steps))},
