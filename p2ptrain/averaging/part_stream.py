@@ -8,8 +8,8 @@ What goes over it, in order (all integers little-endian):
 2. frames both ways: ``FRAME`` (kind, meta length, payload length), then the meta, then the payload. A ``MESSAGE``
    frame is a hivemind ``AveragingData`` cut in two: the meta is the message serialized without its tensor's bytes
    (code, group id, signature, weight, shape, dtype, codec), the payload is the tensor's bytes (``buffer``), written
-   straight from the encoded tensor's memory and read with one ``readexactly``, never copied into or out of a
-   protobuf message (``wire_part.py``: the runner handles ``WireMessage``s), no 64 KiB chunks, no task and queue per
+   straight from the encoded tensor's memory and received straight into a bytearray of its own (``frame_reader.py``),
+   never copied into or out of a protobuf message (``wire_part.py``: the runner handles ``WireMessage``s), no 64 KiB chunks, no task and queue per
    message on the sender's side. ``END`` (sender only) says no more parts
    follow. ``ERROR`` (reducer only) carries a one-line reason in the meta;
 3. the hang-up: the sender closes the stream once it holds every average of the reducer's range (protocol 6's order,
@@ -31,6 +31,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 
+from p2ptrain.averaging.frame_reader import FRAME, FrameReader
 from p2ptrain.averaging.round import PROTOCOL_VERSION
 from p2ptrain.averaging.wire_part import WireMessage
 from p2ptrain.hivemind_compat import runner_for
@@ -43,8 +44,6 @@ STREAM_VERSION = PROTOCOL_VERSION
 MAGIC = b"p2ptpart"
 HELLO = struct.Struct("<8sHH")
 """magic, version, length of the group id that follows"""
-FRAME = struct.Struct("<BII")
-"""kind, meta length, payload length"""
 MESSAGE, END, ERROR = 1, 2, 3
 MAX_META_BYTES = 1 << 20
 """an answer's meta carries the reducer's signature and receipt: about 600 bytes plus 49 per sender"""
@@ -102,18 +101,19 @@ def write_frame(writer: asyncio.StreamWriter, head: bytes, payload) -> int:
     return len(head) + len(payload)
 
 
-async def read_frame(reader: asyncio.StreamReader) -> Tuple[int, bytes, bytes]:
-    """(kind, meta, payload) of the next frame. IncompleteReadError where the stream ends; PartStreamError for a
-    frame this end will not read."""
-    kind, meta_length, payload_length = FRAME.unpack(await reader.readexactly(FRAME.size))
+def check_head(kind: int, meta_length: int, payload_length: int) -> None:
+    """PartStreamError for a frame this end will not read: of a kind it does not know, or larger than the limits."""
     if kind not in (MESSAGE, END, ERROR):
         raise PartStreamError(f"a frame of unknown kind {kind}")
     if meta_length > MAX_META_BYTES or payload_length > MAX_STREAM_MESSAGE_BYTES:
         raise PartStreamError(f"a frame of {meta_length} + {payload_length} bytes; the limits are {MAX_META_BYTES} "
                               f"+ {MAX_STREAM_MESSAGE_BYTES}")
-    meta = await reader.readexactly(meta_length) if meta_length else b""
-    payload = await reader.readexactly(payload_length) if payload_length else b""
-    return kind, meta, payload
+
+
+def frame_reader(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> FrameReader:
+    """The rest of the stream read as frames (``frame_reader.py``), each checked by ``check_head`` before its bytes
+    are read: ``read_frame`` raises IncompleteReadError where the stream ends, PartStreamError for a refused frame."""
+    return FrameReader.install(reader, writer, check_head)
 
 
 def message_of(meta: bytes, payload: bytes) -> WireMessage:
@@ -139,6 +139,7 @@ async def open_part_stream(p2p, peer_id: PeerID, prefix: str, group_id: bytes,
     answers. Closing the iterator hangs up. An ERROR frame raises PartStreamError with the reducer's reason."""
     _, reader, writer = await p2p.call_binary_stream_handler(peer_id, handler_name(prefix))
     writer.transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)
+    frames = frame_reader(reader, writer)
     writer.write(hello(group_id))
     counter.bytes_sent += HELLO.size + len(group_id)
 
@@ -154,7 +155,7 @@ async def open_part_stream(p2p, peer_id: PeerID, prefix: str, group_id: bytes,
             try:
                 while True:
                     try:
-                        kind, meta, payload = await read_frame(reader)
+                        kind, meta, payload = await frames.read_frame()
                     except (asyncio.IncompleteReadError, ConnectionResetError):  # the reducer hung up
                         break
                     counter.bytes_received += FRAME.size + len(meta) + len(payload)
@@ -208,6 +209,7 @@ async def serve_part_stream(averager, stream_info, reader: asyncio.StreamReader,
             return
         runner.bytes_received += HELLO.size + len(group_id)
         context = P2PContext(handle_name=handler_name(averager.prefix), local_id=averager.peer_id, remote_id=remote_id)
+        frames = frame_reader(reader, writer)
         requests: asyncio.Queue = asyncio.Queue(max_prefetch)
 
         async def read_requests() -> AsyncIterator[WireMessage]:
@@ -232,17 +234,17 @@ async def serve_part_stream(averager, stream_info, reader: asyncio.StreamReader,
         answering = asyncio.create_task(answer())
         try:
             while True:
-                receiving = asyncio.create_task(read_frame(reader))
+                receiving = asyncio.create_task(frames.read_frame())
                 await asyncio.wait({answering, receiving}, return_when=asyncio.FIRST_COMPLETED)
                 if answering.done():  # the runner is through with this sender (refused, or left it out): hang up,
                     receiving.cancel()  # so that a sender waiting for averages fails this reducer at once
                     return
                 try:
                     kind, meta, payload = await receiving
-                except (asyncio.IncompleteReadError, ConnectionError, OSError):  # hung up, or gone
-                    return
-                except PartStreamError as e:
+                except PartStreamError as e:  # before ConnectionError, which it is
                     refused(str(e))
+                    return
+                except (asyncio.IncompleteReadError, ConnectionError, OSError):  # hung up, or gone
                     return
                 runner.bytes_received += FRAME.size + len(meta) + len(payload)
                 if kind == END:

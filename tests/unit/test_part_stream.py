@@ -1,9 +1,11 @@
 """The all-reduce's part stream (part_stream.py, protocol 10): its bytes, and what a reader refuses before reading.
-The streams between real peers are exercised by every swarm test that averages (tests/swarm)."""
+Frames are read by ``FrameReader`` over a real socket pair here; the streams between real peers are exercised by
+every swarm test that averages (tests/swarm)."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 import torch
@@ -13,21 +15,38 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from p2ptrain.averaging import part_stream
 from p2ptrain.averaging.audit import commitment
 from p2ptrain.averaging.compression import Fp16Codec
-from p2ptrain.averaging.part_stream import (END, ERROR, FRAME, MESSAGE, PartStreamError, frame, hello, message_frame,
-                                            message_of, read_frame, read_hello)
+from p2ptrain.averaging.part_stream import (END, ERROR, FRAME, MESSAGE, PartStreamError, frame, frame_reader, hello,
+                                            message_frame, message_of, read_hello)
 from p2ptrain.averaging.wire_part import WireMessage
 from p2ptrain.security import MAX_STREAM_MESSAGE_BYTES
 
 
-def read(function, data: bytes, eof: bool = True):
-    """``function`` (read_frame or read_hello) over a stream that holds ``data`` (and then ends, with ``eof``)."""
+def read_hello_of(data: bytes):
+    """``read_hello`` over a stream that holds ``data``, then ends."""
 
     async def reading():
         reader = asyncio.StreamReader()
         reader.feed_data(data)
-        if eof:
-            reader.feed_eof()
-        return await asyncio.wait_for(function(reader), 5)  # a reader that waits for more bytes fails here
+        reader.feed_eof()
+        return await asyncio.wait_for(read_hello(reader), 5)
+
+    return asyncio.run(reading())
+
+
+def read_frame(data: bytes, eof: bool = True):
+    """The first frame a ``FrameReader`` reads off a socket that received ``data`` (then its end, with ``eof``)."""
+
+    async def reading():
+        ours, theirs = socket.socketpair()
+        with theirs:
+            reader, writer = await asyncio.open_unix_connection(sock=ours)
+            theirs.sendall(data)
+            if eof:
+                theirs.shutdown(socket.SHUT_WR)
+            try:
+                return await asyncio.wait_for(frame_reader(reader, writer).read_frame(), 5)  # no waiting for more
+            finally:
+                writer.close()
 
     return asyncio.run(reading())
 
@@ -56,11 +75,11 @@ def test_the_bytes_of_a_hello_and_a_frame_stay_the_same():
 def test_a_message_comes_back_whole_through_a_frame():
     message = a_part(peer_id=b"signature")
     head, payload = message_frame(message)
-    kind, meta, body = read(read_frame, head + payload)
+    kind, meta, body = read_frame(head + payload)
     assert kind == MESSAGE and message_of(meta, body).to_proto() == message
     # an answer with no tensor (BAD_GROUP_ID) stays one
     bare = averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
-    kind, meta, body = read(read_frame, b"".join(message_frame(bare)))
+    kind, meta, body = read_frame(b"".join(message_frame(bare)))
     assert message_of(meta, body).to_proto() == bare and not message_of(meta, body).HasField("tensor_part")
     # read as a protobuf message would be: the tensor of a message without one is empty, and no codec decodes it
     assert message_of(meta, body).tensor_part.buffer == b"" and message_of(meta, body).tensor_part.size == ()
@@ -85,13 +104,13 @@ def test_a_part_goes_out_from_its_tensor_s_memory_in_the_same_bytes_as_the_messa
 
 
 def test_a_hello_of_another_version_or_kind_is_refused_in_words():
-    assert read(read_hello, hello(b"group")) == b"group"
+    assert read_hello_of(hello(b"group")) == b"group"
     with pytest.raises(PartStreamError, match="stream version 10, this peer 11: run the same p2ptrain version"):
-        read(read_hello, hello(b"group", version=10))
+        read_hello_of(hello(b"group", version=10))
     with pytest.raises(PartStreamError, match="does not start with p2ptrain's all-reduce hello"):
-        read(read_hello, b"\x01" + bytes(100))
+        read_hello_of(b"\x01" + bytes(100))
     with pytest.raises(PartStreamError, match="60000-byte group id"):
-        read(read_hello, part_stream.HELLO.pack(part_stream.MAGIC, 11, 60000))
+        read_hello_of(part_stream.HELLO.pack(part_stream.MAGIC, 11, 60000))
 
 
 @pytest.mark.parametrize("header, problem", [
@@ -101,7 +120,7 @@ def test_a_hello_of_another_version_or_kind_is_refused_in_words():
 ])
 def test_a_frame_too_large_or_of_no_known_kind_is_refused_before_its_bytes_are_read(header, problem):
     with pytest.raises(PartStreamError, match=problem):
-        read(read_frame, header, eof=False)  # no more bytes: one that waited for the announced ones would time out
+        read_frame(header, eof=False)  # no more bytes: one that waited for the announced ones would time out
 
 
 def test_meta_that_does_not_parse_is_a_stream_error():
@@ -111,4 +130,4 @@ def test_meta_that_does_not_parse_is_a_stream_error():
 
 def test_an_error_frame_carries_its_reason():
     head, payload = frame(ERROR, "no such group".encode())
-    assert read(read_frame, head + payload) == (ERROR, b"no such group", b"")
+    assert read_frame(head + payload) == (ERROR, b"no such group", b"")
