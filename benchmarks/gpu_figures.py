@@ -17,7 +17,9 @@ one line (``FAILED <piece>: <why>``) and the others go on; the exit status is 1 
   134M parameters; no hub access), with and without ``torch.compile`` (inductor);
 - ``sync-1``, ``sync-2``: ``bench_sync``'s peers (one process each, loopback), fp16, the 124M model on the GPU, 1 then
   2 peers: each sync's phases (the outer step where the optimizer keeps it); ``sync-sparse-2``: the same with
-  ``--compression sparse`` (the accumulator's top-k where the optimizer keeps the accumulator).
+  ``--compression sparse`` (the accumulator's top-k where the optimizer keeps the accumulator);
+- ``cpu-gate-small``, ``cpu-gate-124m``: issue 37's loopback gate on the machine's CPUs (2 peers, fp16, the 25M and
+  124M models): the all-reduce's MB/s against raw P2P streams measured just before, and the sync's split.
 
 The device machine has no network: carry a wheelhouse for Python 3.11 with ``pip download -d wheelhouse`` of
 ``torch`` (a CUDA build; it pulls ``triton`` and the ``nvidia-*`` CUDA wheels), ``hivemind==1.1.12`` (its
@@ -102,8 +104,9 @@ def end_children() -> None:
         psutil.wait_procs(tree, timeout=10)
 
 
-def sync_piece(model: str, device: str, peers: int, syncs: int, compression: str) -> dict:
-    """bench_sync's peers, as ``bench_sync.py --model M --device D --peers N --syncs S --no-ceiling`` runs them."""
+def sync_piece(model: str, device: str, peers: int, syncs: int, compression: str, ceiling=None) -> dict:
+    """bench_sync's peers, as ``bench_sync.py --model M --device D --peers N --syncs S --no-ceiling`` runs them (the
+    all-reduce's share of ``ceiling``, raw P2P streams' MB/s, where one is given)."""
     args = dict(model=model, device=device, peers=peers, syncs=syncs, compression=compression, threads=1, mlp=None,
                 defaults=False)
     try:
@@ -111,9 +114,21 @@ def sync_piece(model: str, device: str, peers: int, syncs: int, compression: str
     except BaseException:
         end_children()
         raise
-    row = bench_sync.summarize(results, None, skip_first=syncs > 1)
+    row = bench_sync.summarize(results, ceiling, skip_first=syncs > 1)
     row.update(model=model, compression=compression, device=device)
     return row
+
+
+def cpu_gate_piece(model: str, syncs: int) -> dict:
+    """Issue 37's loopback gate on the device machine's CPUs, where each peer and its p2pd have cores of their own
+    (on a 2-core machine the all-reduce is bound by the CPU): ``bench_sync.py --model M --peers 2 --syncs S``, its
+    transport ceiling measured first, fp16, on the CPU."""
+    try:
+        ceiling = bench_sync.transport_ceiling(2, 512)
+    except BaseException:
+        end_children()
+        raise
+    return sync_piece(model, "cpu", 2, syncs, "fp16", ceiling)
 
 
 def plan(args, out: Path) -> List[Tuple[str, int, Callable[[], dict]]]:
@@ -145,9 +160,11 @@ def plan(args, out: Path) -> List[Tuple[str, int, Callable[[], dict]]]:
         ("mfu-124m-compile", 240, mfu(lambda: builtin, backend)),
         ("mfu-llama-compile", 240, mfu(llama, backend)),
         ("sync-sparse-2", 150, lambda: sync_piece(builtin, device, 2, syncs, "sparse")),
+        ("cpu-gate-small", 120, lambda: cpu_gate_piece("tiny" if smoke else "small", 2 if smoke else 8)),
+        ("cpu-gate-124m", 200, lambda: cpu_gate_piece(builtin, 2 if smoke else 6)),
     ]
     if smoke:  # one of each kind: the pieces a smoke run leaves out only differ from these in their arguments
-        pieces = [p for p in pieces if p[0] in ("encode", "mfu-124m", "mfu-llama-compile", "sync-2")]
+        pieces = [p for p in pieces if p[0] in ("encode", "mfu-124m", "mfu-llama-compile", "sync-2", "cpu-gate-small")]
     return pieces
 
 
@@ -161,8 +178,10 @@ def summary(name: str, f: dict) -> str:
         memory = f", peak {f['peak_memory_allocated_gib']:.1f} GiB" if f["peak_memory_allocated_gib"] else ""
         return (f"{f['params'] / 1e6:.1f}M params, {f['batch_size']}x{f['seq_len']}: {f['tokens_per_s']:,.0f} "
                 f"tokens/s, {f['step_ms']:.1f} ms/step (first {f['first_step_s']:.1f} s), {mfu}{memory}")
+    gate = (f"; all-reduce {f['allreduce_mb_s']:.0f} MB/s = {f['of_ceiling']:.0%} of the {f['ceiling_mb_s']:.0f} MB/s "
+            f"ceiling" if f.get("of_ceiling") is not None else "")
     split = ", ".join(f"{phase} {f['split'][phase]:.3f}" for phase in bench_sync.PHASES if f["split"][phase] >= 0.0005)
-    return f"{f['peers']} peer(s), {f['compression']}: sync {f['seconds']:.3f} s = {split}"
+    return f"{f['peers']} peer(s), {f['compression']}: sync {f['seconds']:.3f} s = {split}{gate}"
 
 
 def main(argv=None) -> int:

@@ -16,14 +16,14 @@ ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("transformers")  # the Llama pieces build a Hugging Face model
 
 
-@pytest.mark.slow  # 16-18 s on 2 cores (processes, a DHT, models): `make test-slow` (CI runs it)
+@pytest.mark.slow  # 40-55 s on 2 cores (processes, a DHT, models): `make test-slow` (CI runs it)
 def test_the_smoke_run_measures_every_kind_of_piece_on_the_cpu(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_figures.py"), "--smoke", "--out",
                            str(tmp_path)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     figures = json.loads((tmp_path / "figures.json").read_text())
     pieces = figures["pieces"]
-    assert set(pieces) == {"encode", "mfu-124m", "mfu-llama-compile", "sync-2"}
+    assert set(pieces) == {"encode", "mfu-124m", "mfu-llama-compile", "sync-2", "cpu-gate-small"}
     assert all((tmp_path / f"{name}.json").is_file() for name in pieces)
     assert pieces["encode"]["same_bytes_as_cpu"] and pieces["encode"]["message_bytes"] > 0
     builtin, llama = pieces["mfu-124m"], pieces["mfu-llama-compile"]
@@ -33,6 +33,9 @@ def test_the_smoke_run_measures_every_kind_of_piece_on_the_cpu(tmp_path):
     sync = pieces["sync-2"]
     assert sync["peers"] == 2 and sync["group_sizes"] == [2] and sync["digests_agree"]
     assert sync["split"]["allreduce"] > 0
+    gate = pieces["cpu-gate-small"]  # issue 37's loopback gate: the all-reduce against raw streams, measured here
+    assert gate["device"] == "cpu" and gate["digests_agree"] and gate["ceiling_mb_s"] > 0
+    assert 0 < gate["of_ceiling"] == gate["allreduce_mb_s"] / gate["ceiling_mb_s"]
     assert "piece" in proc.stdout and "FAILED" not in proc.stdout and "SKIPPED" not in proc.stdout
 
 
