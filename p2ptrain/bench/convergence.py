@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
@@ -64,16 +64,22 @@ def run_data_parallel(setup: Setup, cfg: DiLoCoConfig = DiLoCoConfig()) -> float
 def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
                cfg: DiLoCoConfig = DiLoCoConfig(), fragments: int = 1, overlap_steps: int = 0,
                evaluate_mean: bool = False, aggregation: str = "mean",
-               attack: Optional[Callable[[List[torch.Tensor]], List[torch.Tensor]]] = None) -> float:
+               attacks: Optional[Dict[int, Callable[[List[torch.Tensor]], List[torch.Tensor]]]] = None,
+               data_attack: Optional[Callable[[Iterator], Iterator]] = None,
+               observe: Optional[Callable[[List[List[torch.Tensor]]], None]] = None) -> float:
     """Every replica in this process; the round is p2ptrain.outer's, the one the swarm's optimizer runs. With
     ``fragments`` > 1 or ``overlap_steps`` > 0, Streaming DiLoCo as the swarm runs it (p2ptrain/fragments.py): each
     fragment's pseudo-gradients taken at its launch step, averaged and applied at its apply step, and merged into
     every replica with ``cfg.merge_alpha``; 1 and 0: plain DiLoCo. The loss is the first replica's, or with
     ``evaluate_mean`` the mean of the replicas' parameters' (for streaming, whose fragments other than the last end
     the run with local progress no round averaged: the blocking sync's last step leaves every replica equal).
-    ``aggregation``: the reducers' rule (``robust.py``); ``attack``: what the last replica sends instead of its
-    pseudo-gradient (it still trains honestly; the loss is the first replica's, an honest one)."""
+    ``aggregation``: the reducers' rule (``robust.py``); ``attacks``: replica index -> what that replica sends
+    instead of its pseudo-gradient (it still trains honestly, unless ``data_attack`` wraps its batches too: then it
+    trains on what that makes of them); the loss is the first replica's, an honest one. ``observe``: called with
+    every round's pseudo-gradients as sent, one list of tensors per replica."""
     shards, held_out = replica_data(setup)
+    if data_attack is not None:
+        shards = [data_attack(shard) if attacks and i in attacks else shard for i, shard in enumerate(shards)]
     codec = get_compression(compression)
     feedback = compression in ERROR_FEEDBACK_BY_DEFAULT
     models = [build_model(setup.model, seed=setup.seed) for _ in range(setup.peers)]
@@ -97,12 +103,14 @@ def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
                 pseudo_gradient_(sent, [global_params[t] for t in indices], [params[t] for t in indices])
                 if residuals is not None:
                     add_error_feedback_(sent, [residuals[i][t] for t in indices], codec, DEFAULT_PART_SIZE_BYTES)
-                if attack is not None and i == len(models) - 1:
-                    sent = attack(sent)
+                if attacks and i in attacks:
+                    sent = attacks[i](sent)
                 pending[launch].append(sent)
         apply = plan.due(step, plan.apply_at)
         if apply is not None:
             indices = plan.tensors[apply]
+            if observe is not None:
+                observe(pending[apply])
             # every replica trained on the same number of samples since the last round: equal weights
             average = group_average(pending.pop(apply), [1.0] * len(models), codec, DEFAULT_PART_SIZE_BYTES,
                                     aggregation)

@@ -1,15 +1,24 @@
-"""``bench --convergence N --attack A --aggregation R``: one insider among the replicas, under each aggregation.
+"""``bench --convergence N --attack A --aggregation R``: insiders among the replicas, under each aggregation.
 
 The convergence experiment's DiLoCo (``convergence.run_diloco``: K replicas in one process, the swarm's optimizers
-and wire rounding) with its last replica an attacker: it trains honestly but sends, instead of its pseudo-gradient,
+and wire rounding) with its last replica (its last ``--attackers`` replicas, colluding) an attacker. It sends,
+instead of its pseudo-gradient,
 
 - ``x5``: its pseudo-gradient scaled x5 (within the 10x norm check, so the plain mean takes it);
 - ``flip``: its pseudo-gradient sign-flipped;
 - ``direction``: a fixed direction of its choosing (the same random unit vector every round, per tensor), at 5x its
-  pseudo-gradient's norm.
+  pseudo-gradient's norm;
+- ``drift``: its pseudo-gradient plus a small bias, 20% of its norm along that fixed direction, every round;
+- ``stale``: the pseudo-gradient of its previous round (its first round's is honest);
+- ``wrong-data``: its honest pseudo-gradient of other data than it was given: it trains on its shard's text read
+  backwards (the same characters, another language model).
 
-Each aggregation (``robust.py``) runs with no attacker and with each attack; the loss is an honest replica's. The
-reducers' rule is applied wire part by wire part, as in the swarm (``outer.group_average``).
+Colluders share the fixed direction. Each aggregation (``robust.py``) runs with no attacker and with each attack; the
+loss is an honest replica's. The reducers' rule is applied wire part by wire part, as in the swarm
+(``outer.group_average``).
+
+Each run also records what a direction check would see of each sender in each round (``sender_scores``): the cosine
+of its pseudo-gradient with the coordinatewise median of the others', and its norm over the median of theirs.
 """
 
 from __future__ import annotations
@@ -17,67 +26,166 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence
 
 import torch
 
 from p2ptrain.bench.convergence import Setup, run_diloco
 
 DIRECTION_SCALE = 5.0
+DRIFT_SCALE = 0.2
+
+Sends = Callable[[List[torch.Tensor]], List[torch.Tensor]]
 
 
-def _scaled(factor: float) -> Callable[[List[torch.Tensor]], List[torch.Tensor]]:
+def _scaled(factor: float) -> Sends:
     return lambda sent: [t * factor for t in sent]
 
 
-def _direction() -> Callable[[List[torch.Tensor]], List[torch.Tensor]]:
-    directions: Dict[int, torch.Tensor] = {}
+def _unit_direction(index: int, shape: torch.Size) -> torch.Tensor:
+    """The attackers' fixed direction for tensor ``index``: the same for every attacker (they collude)."""
+    d = torch.randn(shape, generator=torch.Generator().manual_seed(1234 + index))
+    return d / torch.linalg.vector_norm(d).clamp(min=1e-30)
+
+
+def _direction(scale: float, keep_honest: bool) -> Sends:
+    """``scale`` x the pseudo-gradient's norm along the fixed direction, instead of it or (``keep_honest``) added."""
+    def attack(sent: List[torch.Tensor]) -> List[torch.Tensor]:
+        return [(t if keep_honest else 0) + _unit_direction(i, t.shape) * scale * torch.linalg.vector_norm(t)
+                for i, t in enumerate(sent)]
+    return attack
+
+
+def _stale() -> Sends:
+    previous: List[List[torch.Tensor]] = []
 
     def attack(sent: List[torch.Tensor]) -> List[torch.Tensor]:
-        out = []
-        for i, t in enumerate(sent):
-            if i not in directions:
-                d = torch.randn(t.shape, generator=torch.Generator().manual_seed(1234 + i))
-                directions[i] = d / torch.linalg.vector_norm(d).clamp(min=1e-30)
-            out.append(directions[i] * DIRECTION_SCALE * torch.linalg.vector_norm(t))
+        out = previous.pop() if previous else sent
+        previous.append([t.clone() for t in sent])
         return out
     return attack
 
 
-ATTACKS: Dict[str, Callable[[], Optional[Callable]]] = {
-    "none": lambda: None,
-    "x5": lambda: _scaled(5.0),
-    "flip": lambda: _scaled(-1.0),
-    "direction": _direction,
+def _backwards(shard: Iterator) -> Iterator:
+    """The shard's batches read backwards: inputs are the targets reversed, targets the inputs reversed."""
+    for x, y in shard:
+        yield y.flip(1), x.flip(1)
+
+
+class Attack(NamedTuple):
+    sends: Optional[Callable[[], Sends]]
+    """a new attacker's rule for what it sends (None: its honest pseudo-gradient)"""
+    data: Optional[Callable[[Iterator], Iterator]] = None
+    """what it trains on instead of its shard's batches (None: those)"""
+
+
+ATTACKS: Dict[str, Attack] = {
+    "none": Attack(None),
+    "x5": Attack(lambda: _scaled(5.0)),
+    "flip": Attack(lambda: _scaled(-1.0)),
+    "direction": Attack(lambda: _direction(DIRECTION_SCALE, keep_honest=False)),
+    "drift": Attack(lambda: _direction(DRIFT_SCALE, keep_honest=True)),
+    "stale": Attack(_stale),
+    "wrong-data": Attack(None, _backwards),
 }
 
 
+class SenderScores:
+    """Per round, each sender's cosine with the coordinatewise median of the others' pseudo-gradients and its norm
+    over the median of their norms (all of its tensors as one vector): what a direction check would see."""
+
+    def __init__(self) -> None:
+        self.cosines: List[List[float]] = []
+        self.norm_ratios: List[List[float]] = []
+
+    def __call__(self, sent: List[List[torch.Tensor]]) -> None:
+        with torch.no_grad():
+            flat = torch.stack([torch.cat([t.reshape(-1).float() for t in tensors]) for tensors in sent])
+            norms = torch.linalg.vector_norm(flat, dim=1)
+            cosines, ratios = [], []
+            for i in range(len(flat)):
+                others = torch.cat([flat[:i], flat[i + 1:]])
+                median = others.median(dim=0).values
+                denominator = float(norms[i] * torch.linalg.vector_norm(median))
+                cosines.append(float(flat[i] @ median) / denominator if denominator else 0.0)
+                other_norms = torch.cat([norms[:i], norms[i + 1:]])
+                median_norm = float(other_norms.median())
+                ratios.append(float(norms[i]) / median_norm if median_norm else 0.0)
+        self.cosines.append(cosines)
+        self.norm_ratios.append(ratios)
+
+    def ranges(self, senders: Sequence[int], skip_rounds: int = 1) -> Dict[str, List[float]]:
+        """[min, max] of the cosines and norm ratios of ``senders`` over the rounds after the first ``skip_rounds``
+        (the first round's pseudo-gradients all start from the same parameters: they agree more than later ones)."""
+        rounds = range(min(skip_rounds, max(len(self.cosines) - 1, 0)), len(self.cosines))
+        cos = [self.cosines[r][i] for r in rounds for i in senders]
+        ratio = [self.norm_ratios[r][i] for r in rounds for i in senders]
+        return {"cosine": [min(cos), max(cos)] if cos else [], "norm_ratio": [min(ratio), max(ratio)] if ratio else []}
+
+
 def run_robust(setup: Setup, local_steps: int, aggregations: Sequence[str], attacks: Sequence[str], out: Path,
-               echo: Callable[[str], None] = print) -> Path:
-    """Every aggregation x ("none" and each attack); writes robust.json and robust.md in ``out``."""
+               echo: Callable[[str], None] = print, attackers: int = 1) -> Path:
+    """Every aggregation x ("none" and each attack), the last ``attackers`` replicas attacking; writes robust.json
+    and robust.md in ``out``."""
+    if not 1 <= attackers < setup.peers:
+        raise ValueError(f"{attackers} attackers among {setup.peers} replicas: give fewer than --peers")
     out.mkdir(parents=True, exist_ok=True)
     rows: Dict[str, Dict[str, float]] = {}
+    scores: Dict[str, Dict[str, dict]] = {}
     conditions = ["none", *[a for a in attacks if a != "none"]]
+    bad = list(range(setup.peers - attackers, setup.peers))
+    good = list(range(setup.peers - attackers))
     for aggregation in aggregations:
-        rows[aggregation] = {}
-        for attack in conditions:
+        rows[aggregation], scores[aggregation] = {}, {}
+        for name in conditions:
+            attack = ATTACKS[name]
             started = time.perf_counter()
-            loss = run_diloco(setup, local_steps, aggregation=aggregation, attack=ATTACKS[attack]())
-            rows[aggregation][attack] = loss
-            echo(f"robust: aggregation={aggregation} attack={attack}: eval loss {loss:.4f} "
+            seen = SenderScores()
+            sends = {i: attack.sends() for i in bad} if attack.sends is not None else {}
+            if attack.data is not None:
+                sends = {i: sends.get(i, lambda sent: sent) for i in bad}
+            loss = run_diloco(setup, local_steps, aggregation=aggregation, attacks=sends, data_attack=attack.data,
+                              observe=seen)
+            rows[aggregation][name] = loss
+            scores[aggregation][name] = {"honest": seen.ranges(good), "attackers": seen.ranges(bad),
+                                         "cosines": seen.cosines, "norm_ratios": seen.norm_ratios}
+            echo(f"robust: aggregation={aggregation} attack={name}: eval loss {loss:.4f} "
                  f"({time.perf_counter() - started:.0f}s)")
             (out / "robust.json").write_text(json.dumps(
-                {"setup": setup.__dict__, "local_steps": local_steps, "losses": rows}, indent=1))
+                {"setup": setup.__dict__, "local_steps": local_steps, "attackers": attackers, "losses": rows,
+                 "sender_scores": scores}, indent=1))
     path = out / "robust.md"
-    path.write_text("\n".join(robust_table(rows, conditions, setup, local_steps)) + "\n")
+    path.write_text("\n".join(robust_table(rows, conditions, setup, local_steps, attackers)
+                              + [""] + scores_table(scores, conditions)) + "\n")
     return path
 
 
+def scores_table(scores: Dict[str, Dict[str, dict]], conditions: List[str]) -> List[str]:
+    """What a direction check would see, from the plain mean's runs (or the first aggregation's): the ranges over
+    rounds 2 on of the honest senders' and the attackers' cosines and norm ratios."""
+    runs = scores.get("mean") or next(iter(scores.values()), {})
+
+    def span(values: List[float]) -> str:
+        return f"{values[0]:.2f} to {values[1]:.2f}" if values else "-"
+
+    lines = ["Each sender's cosine with the coordinatewise median of the others' pseudo-gradients, and its norm over "
+             "the median of theirs, rounds 2 on (plain mean):", "",
+             "| attack | honest cosine | attackers' cosine | honest norm ratio | attackers' norm ratio |",
+             "|---|---:|---:|---:|---:|"]
+    for name in conditions:
+        if name in runs:
+            honest, bad = runs[name]["honest"], runs[name]["attackers"]
+            lines.append(f"| {name} | {span(honest['cosine'])} | {span(bad['cosine'])} | "
+                         f"{span(honest['norm_ratio'])} | {span(bad['norm_ratio'])} |")
+    return lines
+
+
 def robust_table(rows: Dict[str, Dict[str, float]], conditions: List[str], setup: Setup,
-                 local_steps: int) -> List[str]:
+                 local_steps: int, attackers: int = 1) -> List[str]:
     """Eval loss per aggregation and attack, each with its change against the plain mean without an attacker."""
     base = rows.get("mean", {}).get("none")
-    lines = [f"One attacker among {setup.peers} replicas ({setup.model} model, {setup.steps} inner steps, H = "
+    who = "One attacker" if attackers == 1 else f"{attackers} colluding attackers"
+    lines = [f"{who} among {setup.peers} replicas ({setup.model} model, {setup.steps} inner steps, H = "
              f"{local_steps}, batch {setup.batch_size}, seed {setup.seed}); eval loss of an honest replica, and its "
              "change against the plain mean with nobody attacking.", "",
              "| aggregation | " + " | ".join(conditions) + " |", "|---|" + "---:|" * len(conditions)]

@@ -69,10 +69,15 @@ def _streaming_schedule(text: str) -> tuple:
               help="--convergence: also SparseLoCo's sparse 2-bit round keeping k values of every 4096 (repeatable: "
                    "one row per k and H), with bytes per sync and a plot of eval loss against bytes sent; with k = 128, "
                    "also the real swarm's --compression sparse at the smallest H.")
-@click.option("--attack", "attacks", type=click.Choice(["x5", "flip", "direction"]), multiple=True,
+@click.option("--attack", "attacks", type=click.Choice(["x5", "flip", "direction", "drift", "stale", "wrong-data"]),
+              multiple=True,
               help="--convergence: instead, one attacker among --peers replicas (repeatable): its pseudo-gradient "
-                   "x5, sign-flipped, or a fixed direction at 5x its norm; each --aggregation without and with each "
-                   "attack, at the first --local-steps. Writes robust.md and robust.json in --out.")
+                   "x5, sign-flipped, a fixed direction at 5x its norm, plus 20% of its norm along that direction, "
+                   "its previous round's, or of its shard read backwards; each --aggregation without and with each "
+                   "attack, at the first --local-steps, with what a direction check sees of each sender. Writes "
+                   "robust.md and robust.json in --out.")
+@click.option("--attackers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="--attack: how many of the --peers replicas attack, colluding (the same direction).")
 @click.option("--aggregation", "aggregations", type=click.Choice(["mean", "clip", "trim"]), multiple=True,
               default=["mean", "clip", "trim"], show_default=True,
               help="--attack: the reducers' rules to compare (repeatable).")
@@ -113,7 +118,7 @@ def _streaming_schedule(text: str) -> tuple:
               help="--soak: inner steps between syncs.")
 def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, batch_size, out, behind_nat, groupings,
           streaming, throttles, cpu_per_peer, solo, loopback, clean_only, convergence_steps, mixing_group_sizes,
-          sparse_ks, attacks, aggregations, straggler_misses, seeds, no_swarm, scale_peers, scale_local_steps, scale_group_size, scale_timeout, crowd_newcomers,
+          sparse_ks, attacks, attackers, aggregations, straggler_misses, seeds, no_swarm, scale_peers, scale_local_steps, scale_group_size, scale_timeout, crowd_newcomers,
           crowd_trainers, soak_workers, soak_runs, soak_outer_steps, soak_local_steps) -> None:
     """Benchmark real swarms over rate-limited links (one network namespace per peer; root needed, else
     loopback): compute utilization, bytes on the wire, sync seconds against the bandwidth bound, eval loss."""
@@ -196,11 +201,14 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
         if attacks:
             from dataclasses import replace
 
+            if attackers >= peers:
+                raise BadInput(f"--attackers {attackers} of --peers {peers}: leave at least one honest replica")
+
             from p2ptrain.bench.convergence_robust import run_robust
 
             report = run_robust(replace(setup, steps=convergence_steps[0]), (list(local_steps) or [15])[0],
                                 list(dict.fromkeys(aggregations)), list(dict.fromkeys(attacks)), Path(out),
-                                echo=click.echo)
+                                echo=click.echo, attackers=attackers)
             click.echo(f"report: {report}")
             return
         report = write_convergence(list(convergence_steps), list(local_steps) or [25, 50], list(compressions), setup,
