@@ -24,6 +24,7 @@ of its pseudo-gradient with the coordinatewise median of the others', and its no
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence
@@ -114,6 +115,20 @@ class SenderScores:
         self.cosines.append(cosines)
         self.norm_ratios.append(ratios)
 
+    def separated(self, bad: Sequence[int], skip_rounds: int = 1) -> Dict[str, int]:
+        """In how many of the rounds after the first ``skip_rounds`` every attacker in ``bad`` had a lower cosine
+        than every other sender ("cosine"), and a norm ratio farther from 1 ("norm"): what a check that compares
+        the senders of one round with each other would catch, whatever the round's honest spread."""
+        rounds = range(min(skip_rounds, max(len(self.cosines) - 1, 0)), len(self.cosines))
+        counts = {"rounds": len(rounds), "cosine": 0, "norm": 0}
+        for r in rounds:
+            cos, ratio = self.cosines[r], self.norm_ratios[r]
+            good = [i for i in range(len(cos)) if i not in bad]
+            counts["cosine"] += max(cos[i] for i in bad) < min(cos[i] for i in good)
+            counts["norm"] += (min(abs(math.log(max(ratio[i], 1e-30))) for i in bad)
+                               > max(abs(math.log(max(ratio[i], 1e-30))) for i in good))
+        return counts
+
     def ranges(self, senders: Sequence[int], skip_rounds: int = 1) -> Dict[str, List[float]]:
         """[min, max] of the cosines and norm ratios of ``senders`` over the rounds after the first ``skip_rounds``
         (the first round's pseudo-gradients all start from the same parameters: they agree more than later ones)."""
@@ -148,7 +163,8 @@ def run_robust(setup: Setup, local_steps: int, aggregations: Sequence[str], atta
                               observe=seen)
             rows[aggregation][name] = loss
             scores[aggregation][name] = {"honest": seen.ranges(good), "attackers": seen.ranges(bad),
-                                         "cosines": seen.cosines, "norm_ratios": seen.norm_ratios}
+                                         "separated": seen.separated(bad), "cosines": seen.cosines,
+                                         "norm_ratios": seen.norm_ratios}
             echo(f"robust: aggregation={aggregation} attack={name}: eval loss {loss:.4f} "
                  f"({time.perf_counter() - started:.0f}s)")
             (out / "robust.json").write_text(json.dumps(
@@ -169,14 +185,17 @@ def scores_table(scores: Dict[str, Dict[str, dict]], conditions: List[str]) -> L
         return f"{values[0]:.2f} to {values[1]:.2f}" if values else "-"
 
     lines = ["Each sender's cosine with the coordinatewise median of the others' pseudo-gradients, and its norm over "
-             "the median of theirs, rounds 2 on (plain mean):", "",
-             "| attack | honest cosine | attackers' cosine | honest norm ratio | attackers' norm ratio |",
-             "|---|---:|---:|---:|---:|"]
+             "the median of theirs, rounds 2 on (plain mean); and the rounds in which the attackers had the lowest "
+             "cosines of the round, or the norm ratios farthest from 1:", "",
+             "| attack | honest cosine | attackers' cosine | honest norm ratio | attackers' norm ratio | "
+             "rounds, attackers lowest cosine | rounds, attackers' norm farthest |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for name in conditions:
         if name in runs:
-            honest, bad = runs[name]["honest"], runs[name]["attackers"]
+            honest, bad, apart = runs[name]["honest"], runs[name]["attackers"], runs[name]["separated"]
             lines.append(f"| {name} | {span(honest['cosine'])} | {span(bad['cosine'])} | "
-                         f"{span(honest['norm_ratio'])} | {span(bad['norm_ratio'])} |")
+                         f"{span(honest['norm_ratio'])} | {span(bad['norm_ratio'])} | "
+                         f"{apart['cosine']} of {apart['rounds']} | {apart['norm']} of {apart['rounds']} |")
     return lines
 
 

@@ -50,6 +50,8 @@ def test_a_direction_check_sees_a_flip_as_negative_and_x5_as_five():
     assert all(c > 0.95 for c in cosines[:3])
     assert cosines[3] < -0.95 and ratios[4] == pytest.approx(5.0, rel=0.05)
     assert scores.ranges([3])["cosine"][1] < -0.95  # one round: ranges keep it rather than skip it
+    assert scores.separated([3]) == {"rounds": 1, "cosine": 1, "norm": 0}  # the flip: lowest cosine, honest norm
+    assert scores.separated([4]) == {"rounds": 1, "cosine": 0, "norm": 1}  # x5: the norm farthest from 1
 
 
 def test_a_short_run_with_two_colluders_of_six_writes_both_tables(tmp_path):
@@ -64,5 +66,6 @@ def test_a_short_run_with_two_colluders_of_six_writes_both_tables(tmp_path):
     flip = figures["sender_scores"]["mean"]["flip"]
     assert len(flip["cosines"]) == 3 and all(len(r) == 6 for r in flip["cosines"])  # 6 steps / H = 2: 3 rounds
     assert flip["attackers"]["cosine"][1] < 0 < flip["honest"]["cosine"][0]
+    assert flip["separated"] == {"rounds": 2, "cosine": 2, "norm": flip["separated"]["norm"]}
     with pytest.raises(ValueError, match="give fewer than --peers"):
         run_robust(setup, 2, ["mean"], ["flip"], tmp_path, attackers=6)
