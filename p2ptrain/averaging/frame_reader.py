@@ -95,7 +95,7 @@ class FrameReader(asyncio.BufferedProtocol):
     def eof_received(self) -> Optional[bool]:
         self._ended = True
         self._wake()
-        return None  # the transport closes its side: the writing end already got its last word
+        return True  # keep the writing end open, as asyncio's StreamReaderProtocol does: the closing is the writer's
 
     def connection_lost(self, exc: Optional[BaseException]) -> None:
         self._lose(exc)

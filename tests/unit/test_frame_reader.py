@@ -187,3 +187,27 @@ def test_a_stream_that_ends_mid_frame_or_is_refused_is_an_error_not_a_hang(loop_
         theirs.close()
 
     run(loop_kind, main)
+
+
+@pytest.mark.parametrize("loop_kind", LOOPS)
+def test_the_end_of_the_other_side_s_writing_leaves_ours_open(loop_kind):
+    """As with asyncio's StreamReaderProtocol: once the other end is through writing, the reader sees the end of the
+    stream, and this end can still write (the closing is the writer's)."""
+    async def main():
+        reader, writer, theirs = await connected()
+        theirs.sendall(framed(1, b"", b"last"))
+        theirs.shutdown(socket.SHUT_WR)
+        assert (await asyncio.wait_for(reader.read_frame(), 5))[2] == b"last"
+        with pytest.raises(asyncio.IncompleteReadError):
+            await asyncio.wait_for(reader.read_frame(), 5)
+        writer.write(b"answer")
+        await asyncio.wait_for(writer.drain(), 5)
+        writer.close()
+        await asyncio.wait_for(writer.wait_closed(), 5)
+        received = b""
+        while chunk := theirs.recv(1 << 16):
+            received += chunk
+        theirs.close()
+        return received
+
+    assert run(loop_kind, main) == b"answer"
