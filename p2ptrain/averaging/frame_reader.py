@@ -32,15 +32,16 @@ Frame = Tuple[int, bytes, bytearray]
 class FrameReader(asyncio.BufferedProtocol):
     """Frames (``FRAME``, then the meta, then the payload) as the socket delivers them; ``read_frame`` hands them out.
 
-    :param previous: the stream's protocol until now (asyncio's ``StreamReaderProtocol``), which keeps the writing end
+    :param transport: the stream's transport; its protocol until now (asyncio's ``StreamReaderProtocol``) keeps the
+      writing end
     :param check: called with each head's (kind, meta length, payload length) before any of its bytes are read;
       what it raises ends the reading, and ``read_frame`` raises it
     :param max_queued: frames read and not yet taken before the socket's reading pauses
     """
 
-    def __init__(self, previous: asyncio.BaseProtocol, check: Callable[[int, int, int], None], max_queued: int = 4):
-        self._previous, self._check, self._max_queued = previous, check, max_queued
-        self._transport: Optional[asyncio.Transport] = None
+    def __init__(self, transport: asyncio.Transport, check: Callable[[int, int, int], None], max_queued: int = 4):
+        self._transport, self._check, self._max_queued = transport, check, max_queued
+        self._previous = transport.get_protocol()
         self._scratch = memoryview(bytearray(SCRATCH_BYTES))
         self._head = bytearray(FRAME.size)
         self._kind = 0
@@ -48,6 +49,7 @@ class FrameReader(asyncio.BufferedProtocol):
         self._payload = bytearray()
         self._target = memoryview(self._head)  # what the bytes now arriving fill: the head, the meta or the payload
         self._filled = 0
+        self._direct = False  # get_buffer handed out the payload itself, not the scratch buffer
         self._stage = "head"
         self._frames: Deque[Frame] = collections.deque()
         self._waiter: Optional[asyncio.Future] = None
@@ -61,8 +63,7 @@ class FrameReader(asyncio.BufferedProtocol):
         """Read the rest of ``writer``'s stream with a new ``FrameReader`` instead of ``reader``, starting with the
         bytes ``reader`` holds already. ``reader`` is left empty and gets nothing more."""
         transport = writer.transport
-        frames = cls(transport.get_protocol(), check, max_queued)
-        frames._transport = transport
+        frames = cls(transport, check, max_queued)
         held = bytes(reader._buffer)  # noqa: SLF001 (asyncio keeps what it read ahead there, and nowhere else)
         reader._buffer.clear()  # noqa: SLF001
         transport.set_protocol(frames)
@@ -79,13 +80,12 @@ class FrameReader(asyncio.BufferedProtocol):
     # the transport's side
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._stage == "payload" and len(self._target) - self._filled >= SCRATCH_BYTES:
-            return self._target[self._filled:]  # straight into the payload
-        return self._scratch
+        self._direct = self._stage == "payload" and len(self._target) - self._filled >= SCRATCH_BYTES
+        return self._target[self._filled:] if self._direct else self._scratch  # straight into the payload, or not
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._stage == "payload" and len(self._target) - self._filled >= SCRATCH_BYTES:
-            self._filled += nbytes  # get_buffer handed out the payload itself
+        if self._direct:
+            self._filled += nbytes
             if self._filled == len(self._target):
                 self._next_stage()
         else:
@@ -171,7 +171,7 @@ class FrameReader(asyncio.BufferedProtocol):
             self._ended = True
         elif self._error is None:
             self._error = exc
-            if self._transport is not None and not self._transport.is_closing():
+            if not self._transport.is_closing():
                 self._transport.pause_reading()  # a refused frame: nothing more is read
         self._wake()
 

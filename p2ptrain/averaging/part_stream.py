@@ -9,9 +9,9 @@ What goes over it, in order (all integers little-endian):
    frame is a hivemind ``AveragingData`` cut in two: the meta is the message serialized without its tensor's bytes
    (code, group id, signature, weight, shape, dtype, codec), the payload is the tensor's bytes (``buffer``), written
    straight from the encoded tensor's memory and received straight into a bytearray of its own (``frame_reader.py``),
-   never copied into or out of a protobuf message (``wire_part.py``: the runner handles ``WireMessage``s), no 64 KiB chunks, no task and queue per
-   message on the sender's side. ``END`` (sender only) says no more parts
-   follow. ``ERROR`` (reducer only) carries a one-line reason in the meta;
+   never copied into or out of a protobuf message (``wire_part.py``: the runner handles ``WireMessage``s), no 64 KiB
+   chunks, no task and queue per message on the sender's side. ``END`` (sender only) says no more parts follow.
+   ``ERROR`` (reducer only) carries a one-line reason in the meta;
 3. the hang-up: the sender closes the stream once it holds every average of the reducer's range (protocol 6's order,
    ``ExactAllReduceRunner.rpc_aggregate_part``); a reducer that sees the stream end stops answering.
 

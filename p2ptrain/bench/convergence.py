@@ -65,7 +65,7 @@ def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
                cfg: DiLoCoConfig = DiLoCoConfig(), fragments: int = 1, overlap_steps: int = 0,
                evaluate_mean: bool = False, aggregation: str = "mean",
                attacks: Optional[Dict[int, Callable[[List[torch.Tensor]], List[torch.Tensor]]]] = None,
-               data_attack: Optional[Callable[[Iterator], Iterator]] = None,
+               data_attacks: Optional[Dict[int, Callable[[Iterator], Iterator]]] = None,
                observe: Optional[Callable[[List[List[torch.Tensor]]], None]] = None) -> float:
     """Every replica in this process; the round is p2ptrain.outer's, the one the swarm's optimizer runs. With
     ``fragments`` > 1 or ``overlap_steps`` > 0, Streaming DiLoCo as the swarm runs it (p2ptrain/fragments.py): each
@@ -74,12 +74,12 @@ def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
     ``evaluate_mean`` the mean of the replicas' parameters' (for streaming, whose fragments other than the last end
     the run with local progress no round averaged: the blocking sync's last step leaves every replica equal).
     ``aggregation``: the reducers' rule (``robust.py``); ``attacks``: replica index -> what that replica sends
-    instead of its pseudo-gradient (it still trains honestly, unless ``data_attack`` wraps its batches too: then it
-    trains on what that makes of them); the loss is the first replica's, an honest one. ``observe``: called with
-    every round's pseudo-gradients as sent, one list of tensors per replica."""
+    instead of its pseudo-gradient; ``data_attacks``: replica index -> what that replica makes of its shard's batches
+    to train on (the others train honestly on theirs); the loss is the first replica's, an honest one. ``observe``:
+    called with every round's pseudo-gradients as sent, one list of tensors per replica."""
     shards, held_out = replica_data(setup)
-    if data_attack is not None:
-        shards = [data_attack(shard) if attacks and i in attacks else shard for i, shard in enumerate(shards)]
+    if data_attacks:
+        shards = [data_attacks[i](shard) if i in data_attacks else shard for i, shard in enumerate(shards)]
     codec = get_compression(compression)
     feedback = compression in ERROR_FEEDBACK_BY_DEFAULT
     models = [build_model(setup.model, seed=setup.seed) for _ in range(setup.peers)]

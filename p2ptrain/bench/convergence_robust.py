@@ -115,11 +115,15 @@ class SenderScores:
         self.cosines.append(cosines)
         self.norm_ratios.append(ratios)
 
+    def _rounds_after(self, skip_rounds: int) -> range:
+        """The rounds after the first ``skip_rounds``, or the last round alone if there are no more."""
+        return range(min(skip_rounds, max(len(self.cosines) - 1, 0)), len(self.cosines))
+
     def separated(self, bad: Sequence[int], skip_rounds: int = 1) -> Dict[str, int]:
         """In how many of the rounds after the first ``skip_rounds`` every attacker in ``bad`` had a lower cosine
         than every other sender ("cosine"), and a norm ratio farther from 1 ("norm"): what a check that compares
         the senders of one round with each other would catch, whatever the round's honest spread."""
-        rounds = range(min(skip_rounds, max(len(self.cosines) - 1, 0)), len(self.cosines))
+        rounds = self._rounds_after(skip_rounds)
         counts = {"rounds": len(rounds), "cosine": 0, "norm": 0}
         for r in rounds:
             cos, ratio = self.cosines[r], self.norm_ratios[r]
@@ -132,7 +136,7 @@ class SenderScores:
     def ranges(self, senders: Sequence[int], skip_rounds: int = 1) -> Dict[str, List[float]]:
         """[min, max] of the cosines and norm ratios of ``senders`` over the rounds after the first ``skip_rounds``
         (the first round's pseudo-gradients all start from the same parameters: they agree more than later ones)."""
-        rounds = range(min(skip_rounds, max(len(self.cosines) - 1, 0)), len(self.cosines))
+        rounds = self._rounds_after(skip_rounds)
         cos = [self.cosines[r][i] for r in rounds for i in senders]
         ratio = [self.norm_ratios[r][i] for r in rounds for i in senders]
         return {"cosine": [min(cos), max(cos)] if cos else [], "norm_ratio": [min(ratio), max(ratio)] if ratio else []}
@@ -157,9 +161,8 @@ def run_robust(setup: Setup, local_steps: int, aggregations: Sequence[str], atta
             started = time.perf_counter()
             seen = SenderScores()
             sends = {i: attack.sends() for i in bad} if attack.sends is not None else {}
-            if attack.data is not None:
-                sends = {i: sends.get(i, lambda sent: sent) for i in bad}
-            loss = run_diloco(setup, local_steps, aggregation=aggregation, attacks=sends, data_attack=attack.data,
+            data = {i: attack.data for i in bad} if attack.data is not None else {}
+            loss = run_diloco(setup, local_steps, aggregation=aggregation, attacks=sends, data_attacks=data,
                               observe=seen)
             rows[aggregation][name] = loss
             scores[aggregation][name] = {"honest": seen.ranges(good), "attackers": seen.ranges(bad),
