@@ -150,6 +150,7 @@ class TrainLoop:
         planned = [n for n in (max_syncs, until - opt.outer_step if until is not None else None) if n is not None]
         total = (min(planned) - 1) * opt.local_steps + first_sync_in if planned else None
         syncs = 0
+        self._tell_last_outer_step(syncs)
         bar = tqdm(total=total, desc=f"{peer[-8:]} train", unit="step", leave=False,
                    disable=not (self.show_progress and ranks.leader))
         last_log, loss_value = time.monotonic(), float("nan")
@@ -200,6 +201,7 @@ class TrainLoop:
                                                 if ranks.leader else None)
                     syncs += took_part
                     report.syncs = syncs
+                    self._tell_last_outer_step(syncs)
                     self.after_round()
                 # by local_step, which every rank of the peer shares; a step the fp16 scaler skipped leaves it where
                 # it was, measured already
@@ -219,6 +221,16 @@ class TrainLoop:
         finally:
             bar.close()
             report.train_ended_at = time.time()
+
+    def _tell_last_outer_step(self, syncs: int) -> None:
+        """The outer step this peer leaves at, as far as this loop knows it now: its last round waits longer for late
+        peers, who could take the state from nobody after it (``round_policy.final_round_wait_s``)."""
+        opt, cfg = self.ranks.optimizer, self.cfg
+        outer = getattr(opt, "diloco", opt)  # a sharded peer's leader holds the swarm-side optimizer
+        if outer is None or not hasattr(outer, "last_outer_step"):
+            return  # a plain torch optimizer (tests), or a rank that does not average
+        ends = [opt.outer_step + cfg.max_outer_steps - syncs if cfg.max_outer_steps else None, cfg.until_outer_step]
+        outer.last_outer_step = min((step for step in ends if step is not None), default=None)
 
     def _evaluate(self) -> None:
         """The held-out loss now (on every rank: a sharded forward), into the report and the log."""

@@ -187,8 +187,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     # what the parts share, read and written where it lives (tests and the trainer read these)
     local_step, outer_step, samples_since_sync = _shared("local_step"), _shared("outer_step"), \
         _shared("samples_since_sync")
-    local_steps, history, sparse_message_bytes = _shared("local_steps"), _shared("history"), \
-        _shared("sparse_message_bytes")
+    local_steps, history, sparse_message_bytes, last_outer_step = _shared("local_steps"), _shared("history"), \
+        _shared("sparse_message_bytes"), _shared("last_outer_step")
     _digest, _residuals, _accumulator = _shared("digest"), _shared("residuals"), _shared("accumulator")
 
     # the state transfer's metrics: the last download (seconds, bytes, chunks per donor, failed donors), how long

@@ -49,7 +49,7 @@ class Reporter:
         s = self.state
         return Position(
             outer_step=s.outer_step, local_step=s.local_step, phase_started=s.phase_started,
-            last_group=s.last_group,
+            last_group=s.last_group, last=s.last_outer_step is not None and s.outer_step + 1 >= s.last_outer_step,
             gather={"outer_step": s.outer_step, "samples": s.samples_since_sync,
                     # the digest of the global parameters this round starts from: every member must have the same
                     "digest": s.digest,

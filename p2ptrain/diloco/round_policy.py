@@ -77,6 +77,17 @@ def late_peer_wait_s(settings: RoundSettings, expected: int, phase_s: float) -> 
     return max(settings.matchmaking_time_s, phase_s / max(expected, 2))
 
 
+def final_round_wait_s(settings: RoundSettings, expected: int, phase_s: float) -> float:
+    """How long the ready peers of a peer's last round (it leaves after it) wait for late ones: a whole phase (at
+    least the usual bound). The break-even of ``late_peer_wait_s`` weighs idle peers against a phase thrown away; in
+    a peer's last round nobody's next phase is at stake, and a late peer left out of the round that ends the run finds
+    nobody to take the state from: it steps alone, a second model (8 workers stopping together on 2 cores shared with
+    another test, CI). A bound the user set is kept."""
+    if settings.late_peer_wait_s is not None:
+        return settings.late_peer_wait_s
+    return max(late_peer_wait_s(settings, expected, phase_s), phase_s)
+
+
 def plan_round(settings: RoundSettings, ready: List[str], late: List[str],
                late_left_s: float) -> Tuple[Optional[int], float]:
     """(target group size, matchmaking window) for one attempt. The group starts the moment it holds every
@@ -276,7 +287,8 @@ def _after_look(look: Look, memory: Memory, ask: Ask, cfg: RoundSettings) -> Tup
     late = [peer for peer in moving if peer not in memory.excluded]
     late_deadline = memory.late_deadline
     if late_deadline is None:
-        late_deadline = now + late_peer_wait_s(cfg, 1 + len(ready) + len(late), now - position.phase_started)
+        wait_s = final_round_wait_s if position.last else late_peer_wait_s
+        late_deadline = now + wait_s(cfg, 1 + len(ready) + len(late), now - position.phase_started)
     memory = replace(memory, last_moved=MappingProxyType(last_moved), late_deadline=late_deadline)
     ready_members = [peer for peer in outlook.ready if peer in members]
     alone = not ready_members and not moving and not ask.single_attempt and cfg.no_group_policy == "apply_local"

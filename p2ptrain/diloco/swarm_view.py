@@ -30,6 +30,8 @@ class Position:
     applied_by: Optional[int] = None
     """streaming sync: the local step at which this round's fragment is applied; a peer of this outer step past it
     applied it without us (we are behind)"""
+    last: bool = False
+    """this round is the last before this peer leaves (``PeerState.last_outer_step``)"""
 
     @property
     def group_bits(self) -> str:

@@ -182,6 +182,31 @@ def test_a_peer_left_out_of_a_round_catches_up_before_its_sync_point(dhts):
             opt.close()
 
 
+@pytest.mark.slow  # 12 s on 2 cores, and the default suite is near its 10 minutes: `make test-slow` (CI runs it)
+def test_the_last_round_before_the_peers_leave_waits_a_phase_for_a_late_one(dhts):
+    """A, B and C leave after outer step 1 (``last_outer_step``, which the trainer sets from --max-outer-steps and
+    --until-outer-step). Their phases take 8 s; C comes to the sync point 4 s after A and B, past the usual bound on
+    waiting for it (max(1 s window, a phase / 3 peers) = 2.7 s), within a phase. In a last round A and B wait the
+    whole phase: the round is a round of three. Without that, C was left out, and once A and B had left it found
+    nobody to take the state from and stepped alone (a second model: 8 workers in CI ended in groups of 7 and 1)."""
+    nodes = dhts(3)
+    peers = [optimizer(node, "last-round", matchmaking_time_s=1.0, adaptive_steps=False) for node in nodes]
+    (model_a, a), (model_b, b), (model_c, c) = peers
+    for _, opt in peers:
+        opt.last_outer_step = 1
+    try:
+        run_threads(lambda: train(model_a, a, LOCAL_STEPS, lambda step: 2.0),
+                    lambda: train(model_b, b, LOCAL_STEPS, lambda step: 2.0),
+                    lambda: train(model_c, c, LOCAL_STEPS, lambda step: 6.0 if step == LOCAL_STEPS - 1 else 2.0))
+        for _, opt in peers:
+            assert [(r.outer_step, r.group_size, r.averaged) for r in opt.history] == [(1, 3, True)], opt.history
+        assert len({opt.history[0].digest for _, opt in peers}) == 1
+        assert a.history[0].seconds > 3.0, a.history[0]  # A did wait for C, past the usual bound
+    finally:
+        for _, opt in peers:
+            opt.close()
+
+
 def test_a_peer_the_leader_did_not_expect_does_not_take_an_expected_peers_place(dhts):
     """The leader planned a group of itself and B (the records it read named B only). C, whose record it had not
     seen, asks to join first: the group must still wait for B, not start with C in B's place (seen in a swarm

@@ -70,6 +70,16 @@ CASES = [
          memory=dict(late_deadline=NOW - 10.0), want=Attempt, fields=dict(target=2, window_s=2.0)),
     Case("late_peer_wait_s set: the bound is that", look(ready=["C"], late={"D": 90}), cfg=dict(late_peer_wait_s=5.0),
          want=Attempt, fields=dict(target=3, window_s=5.0)),
+    Case("the last round before this peer leaves waits a whole phase for a late peer (it could take the state from "
+         "nobody after it)", look(ready=["C"], late={"D": 90}), ask=dict(last=True), want=Attempt,
+         fields=dict(target=3, window_s=60.0), then=dict(late_deadline=NOW + 60.0)),
+    Case("... and past that bound starts without it", look(ready=["C"], late={"D": 90}), ask=dict(last=True),
+         memory=dict(late_deadline=NOW - 1.0), want=Attempt, fields=dict(target=2, window_s=2.0)),
+    Case("... but a late_peer_wait_s the user set is kept", look(ready=["C"], late={"D": 90}), ask=dict(last=True),
+         cfg=dict(late_peer_wait_s=5.0), want=Attempt, fields=dict(target=3, window_s=5.0)),
+    Case("... and a stalled late peer is not waited for in it either", look(ready=["C"], late={"D": 90}),
+         ask=dict(last=True), memory=dict(last_moved={"D": (90, NOW - 50.0)}), want=Attempt,
+         fields=dict(target=2, window_s=2.0)),
     Case("a late peer whose local step has not moved for 30 s is not waited for: alone", look(late={"D": 90}),
          memory=dict(last_moved={"D": (90, NOW - 50.0)}), outcome=(Outcome.ALONE, 0), fields=dict(reason=ALONE_5)),
     Case("alone in the swarm: no matchmaking", outcome=(Outcome.ALONE, 0), fields=dict(reason=ALONE_5)),
@@ -193,8 +203,8 @@ def settings(**overrides) -> RoundSettings:
                                    request_timeout_s=1.0, incomplete_settle_s=1.0), **overrides})
 
 
-def asked(me: str = "B", outer_step: int = 5, **kwargs) -> Ask:
-    return Ask(me=me, position=Position(outer_step=outer_step, local_step=100, phase_started=40.0),
+def asked(me: str = "B", outer_step: int = 5, last: bool = False, **kwargs) -> Ask:
+    return Ask(me=me, position=Position(outer_step=outer_step, local_step=100, phase_started=40.0, last=last),
                **{"weight": 8.0, **kwargs})
 
 

@@ -192,3 +192,38 @@ def test_the_report_gives_perplexity_next_to_every_eval_loss():
     assert out["rounds"][0]["perplexity"] == pytest.approx(math.exp(1.5))
     assert out["evals"] == [] and out["grad_norm"] is None
     assert perplexity(1e6) == math.inf and math.isnan(perplexity(math.nan))
+
+
+class Syncing(StandIn):
+    """A StandIn that syncs every 2 inner steps; ``caught_up`` at the outer steps named (a state taken instead of a
+    round: not one of this peer's syncs). It notes the ``last_outer_step`` the loop had told it at each sync."""
+
+    def __init__(self, params, caught_up=()):
+        super().__init__(params)
+        self.local_steps, self.caught_up, self.told = 2, set(caught_up), []
+        self.last_outer_step = None
+
+    def step(self, batch_size=None):
+        super().step(batch_size)
+        if self.local_step % self.local_steps == 0:
+            self.told.append(self.last_outer_step)
+            self.outer_step += 1
+            self.history.append(SimpleNamespace(caught_up=self.outer_step in self.caught_up, seconds=0.0,
+                                                group_size=2))
+
+
+@pytest.mark.parametrize("limits, caught_up, told", [
+    (dict(max_outer_steps=3), (), [3, 3, 3]),
+    # a state taken is not a sync of its own: the peer leaves a step later
+    (dict(max_outer_steps=3), (2,), [3, 3, 4, 4]),
+    (dict(until_outer_step=2), (), [2, 2]),
+    (dict(max_outer_steps=5, until_outer_step=2), (), [2, 2]),
+])
+def test_the_loop_tells_the_optimizer_the_outer_step_it_leaves_at(limits, caught_up, told):
+    """The optimizer's last round waits longer for late peers (round_policy.final_round_wait_s); it learns which round
+    is its last from the loop, at the start and after every sync."""
+    model = build_model("tiny")
+    opt = Syncing(model.parameters(), caught_up)
+    loop = _loop(TrainConfig(batch_size=8, log_interval_s=60.0, **limits), opt)
+    loop.run(model, [batch(seed=i) for i in range(20)], CPU)
+    assert opt.told == told
