@@ -41,7 +41,7 @@ def worker_args(cfg: ScaleConfig, initial_peer: str, run_id: str, report: Path) 
     """A worker's ``p2ptrain`` arguments: a user's defaults but for the group size, the shards and the run's length."""
     return loopback_join(initial_peer, run_id, report, model=cfg.model, local_steps=cfg.local_steps,
                          num_shards=cfg.num_shards,
-                         extra=["--metrics-port", "0", "--max-outer-steps", str(cfg.outer_steps),
+                         extra=["--metrics-port", "0", "--until-outer-step", str(cfg.outer_steps),
                                 "--target-group-size", str(cfg.group_size or cfg.peers),
                                 # a fleet started together trains together: on 2 cores 8 workers come up 8-17 s
                                 # apart, and a first round drawn without the last ones left them alone in it

@@ -30,7 +30,7 @@ class ScaleConfig:
     local_steps: int = 10
     """--local-steps: inner steps between syncs"""
     outer_steps: int = 3
-    """--max-outer-steps: syncs each worker takes part in before it leaves"""
+    """--until-outer-step: the run's outer step every worker leaves at"""
     timeout_s: float = 600.0
     """the whole run of this N, start-up included; past it every daemon is stopped and the run counts as failed"""
     model: str = "tiny"
@@ -214,8 +214,7 @@ def summarize_scale(cfg: ScaleConfig, reports: Sequence[Dict[str, Any]], workers
         "rounds_to_mix": rounds_to_mix(reports),
         "final_models": len(set(last_digests)),
         "final_digests": dict(Counter(last_digests)),
-        # --max-outer-steps counts a worker's syncs, not the run's step: one that took the state instead of a round
-        # ends a step later than the rest, with a model of its own by construction
+        # every worker leaves at the run's outer step S (--until-outer-step), one that took the state on the way too
         "final_outer_steps": {str(k): v for k, v in sorted(Counter(report["rounds"][-1]["outer_step"]
                                                                    for report in reports if report.get("rounds"))
                                                            .items())},

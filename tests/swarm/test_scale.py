@@ -18,6 +18,13 @@ from p2ptrain.bench.scale_figures import (MEMORY_BUDGET_BYTES, ScaleConfig, grou
 from p2ptrain.bench.scale_report import TABLE_HEADER, format_steps, plot_scale, scale_markdown
 from tests.helpers import descendants, exit_code
 
+PATIENT = {"P2PTRAIN_LATE_PEER_WAIT": "30"}
+"""the workers of the 8-worker tests wait up to 30 s for a late peer (the default bound: a phase / the peers expected,
+at least the 5 s matchmaking window). These tests are about the DHT and matchmaking at 8 peers (each saw all 8, the
+groups formed, the mixing cells mixed); on 2 cores shared with another test's swarm one worker came to round 2 5.5 s
+after the first of its cell, and by design the others went on without it (CI and locally, 16 workers at once): that is
+the late-peer policy at work under CPU starvation, not a split. test_round_planning covers the bound itself"""
+
 
 def round_(step, size, digest, *, seconds=2.0, matchmaking=1.5, allreduce=0.4, averaged=True, caught_up=False,
            abandoned=False, attempts=1, sent=1000, received=900, failed_fraction=0.0):
@@ -166,7 +173,7 @@ def test_eight_workers_at_once_average_as_one_group_every_round(tmp_path):
     out, log = tmp_path / "out", tmp_path / "bench.log"
     proc = subprocess.Popen([sys.executable, "-m", "p2ptrain", "bench", "--scale", "8", "--loopback", "--outer-steps",
                              "2", "--out", str(out)], stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", **PATIENT))
     assert exit_code(proc, 240, log) == 0, log.read_text()[-3000:]
     assert "N=8: 8/8 workers up" in log.read_text()
     result, = json.loads((out / "scale.json").read_text())["results"]
@@ -198,7 +205,7 @@ def test_eight_workers_in_mixing_groups_of_four(tmp_path):
     out, log = tmp_path / "out", tmp_path / "bench.log"
     proc = subprocess.Popen([sys.executable, "-m", "p2ptrain", "bench", "--scale", "8", "--scale-group-size", "4",
                              "--loopback", "--outer-steps", "3", "--out", str(out)], stdout=open(log, "wb"),
-                            stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1", **PATIENT))
     assert exit_code(proc, 240, log) == 0, log.read_text()[-3000:]
     result, = json.loads((out / "scale.json").read_text())["results"]
     assert result["status"] == "ok" and result["config"]["group_size"] == 4, result["problems"]
