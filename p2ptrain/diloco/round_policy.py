@@ -53,14 +53,13 @@ class RoundSettings:
 
 
 def behind(outlook: RoundOutlook, settings: RoundSettings) -> bool:
-    """Whether this round went on without this peer (then it takes the swarm's state instead of averaging).
-    One group: any live peer ahead. Mixing groups: the other groups finish the round at their own pace, and
-    members of our own cell that went on without us leave us to step alone (a later round mixes our state in:
-    cheaper than throwing our inner steps away for a download); only two steps ahead, a whole phase, is behind.
-    But a peer that may not step alone (``no_group_policy`` "wait") is behind as soon as the swarm is ahead and
-    nobody is left at its outer step: nobody will ever average this round with it (it had waited for ever, and
-    the peers a step ahead waited for it as late: seen when one member refused a reducer's range that the
-    others committed)."""
+    """Whether this round went on without this peer (then it takes the swarm's state instead of averaging). One group:
+    any live peer ahead. Mixing groups: the other groups finish the round at their own pace, and members of our own cell
+    that went on without us leave us to step alone (a later round mixes our state in: cheaper than throwing our inner
+    steps away for a download); only two steps ahead, a whole phase, is behind. But a peer that may not step alone
+    (``no_group_policy`` "wait") is behind as soon as the swarm is ahead and nobody is left at its outer step: nobody
+    will ever average this round with it (it had waited for ever, and the peers a step ahead waited for it as late: seen
+    when one member refused a reducer's range that the others committed)."""
     if not settings.mixing:
         return outlook.ahead
     if settings.no_group_policy == "wait" and outlook.ahead and not outlook.ready and not outlook.late:
@@ -69,23 +68,18 @@ def behind(outlook: RoundOutlook, settings: RoundSettings) -> bool:
 
 
 def late_peer_wait_s(settings: RoundSettings, expected: int, phase_s: float) -> float:
-    """How long the ready peers wait for late ones. Waiting t seconds idles the ready peers, (expected - 1) * t
-    compute-seconds; leaving a late peer out throws away its phase so far (``phase_s``), about phase - t: so the
-    default waits up to a phase / expected (the break-even), and at least the matchmaking window."""
+    """How long the ready peers wait for late ones. Waiting t seconds idles the ready peers, (expected - 1) * t compute-
+    seconds; leaving a late peer out throws away its phase so far (``phase_s``), about phase - t: so the default waits
+    up to a phase / expected (the break-even), and at least the matchmaking window."""
     if settings.late_peer_wait_s is not None:
         return settings.late_peer_wait_s
     return max(settings.matchmaking_time_s, phase_s / max(expected, 2))
 
 
 def final_round_wait_s(settings: RoundSettings, expected: int, phase_s: float) -> float:
-    """How long the ready peers of a peer's last round (it leaves after it) wait for late ones: a whole phase (at
-    least the usual bound). The break-even of ``late_peer_wait_s`` weighs idle peers against a phase thrown away; in
-    a peer's last round nobody's next phase is at stake, and a late peer left out of the round that ends the run finds
-    nobody to take the state from: it steps alone, a second model (8 workers stopping together on 2 cores shared with
-    another test, CI). A bound the user set is kept."""
-    if settings.late_peer_wait_s is not None:
-        return settings.late_peer_wait_s
-    return max(late_peer_wait_s(settings, expected, phase_s), phase_s)
+    """``late_peer_wait_s`` in the last round before this peer leaves: a whole phase (a bound the user set is kept).
+    A late peer left out of the round that ends the run finds nobody to take the state from (docs/rounds.md)."""
+    return max(late_peer_wait_s(settings, expected, phase_s), phase_s if settings.late_peer_wait_s is None else 0.0)
 
 
 def plan_round(settings: RoundSettings, ready: List[str], late: List[str],
@@ -105,13 +99,13 @@ def plan_round(settings: RoundSettings, ready: List[str], late: List[str],
 
 
 def follower_window_s(settings: RoundSettings, window_s: float, phase_s: float) -> float:
-    """A client-mode peer's search window while another peer of its round is in sight. A client only follows, and
-    a leader refuses a follower whose request expires before the leader's own declared time (hivemind's
-    BAD_EXPIRATION_TIME) unless it completes the group: next to a leader waiting 30 s for a first round's group
-    of 3, a client looking in 3 s windows was refused for 27 s. A long search costs a follower nothing: it joins
-    the first leader that takes it, whose group starts when it is full. Longer than any window a leader plans, by
-    a matchmaking window (a leader that started its own a moment later still expires first). With nobody of its
-    round in sight the caller keeps the short window: a leaving client is not held up by its search."""
+    """A client-mode peer's search window while another peer of its round is in sight. A client only follows, and a
+    leader refuses a follower whose request expires before the leader's own declared time (hivemind's
+    BAD_EXPIRATION_TIME) unless it completes the group: next to a leader waiting 30 s for a first round's group of 3, a
+    client looking in 3 s windows was refused for 27 s. A long search costs a follower nothing: it joins the first
+    leader that takes it, whose group starts when it is full. Longer than any window a leader plans, by a matchmaking
+    window (a leader that started its own a moment later still expires first). With nobody of its round in sight the
+    caller keeps the short window: a leaving client is not held up by its search."""
     return max(window_s, FIRST_ROUND_WAIT_S, late_peer_wait_s(settings, 2, phase_s)) + settings.matchmaking_time_s
 
 
@@ -292,20 +286,18 @@ def _after_look(look: Look, memory: Memory, ask: Ask, cfg: RoundSettings) -> Tup
     memory = replace(memory, last_moved=MappingProxyType(last_moved), late_deadline=late_deadline)
     ready_members = [peer for peer in outlook.ready if peer in members]
     alone = not ready_members and not moving and not ask.single_attempt and cfg.no_group_policy == "apply_local"
-    # ... but looks once when others may yet be there with no record to show for it: in a new swarm's first
-    # round (they may still be starting), or when this peer saw another live peer recently (a record that
-    # was slow to store, or a read that timed out, must not make it step alone next to that peer)
-    # (a live peer refreshes its record every period: not seen for two of them, it is gone)
+    # ... but looks once when others may yet be there with no record to show for it: in a new swarm's first round
+    # (they may still be starting), or when this peer saw another live peer recently (a record slow to store, or a
+    # read that timed out, must not make it step alone next to that peer; not seen for two record periods, it is gone)
     recently = now - look.others_seen_at_s < 2 * look.record_period_s
-    # while fewer than G are at the sync point: in the first round the late ones are peers still starting,
-    # and the late-peer bound started the group without them (27 of 32 workers on 16 cores)
-    # ... until a peer has finished that round: then the round is under way, and nobody is waiting to form it
-    # (a mixing cell whose other member stepped alone kept its partner waiting out the 30 s)
+    # while fewer than G are at the sync point: in the first round the late ones are peers still starting, and the
+    # late-peer bound started the group without them (27 of 32 workers on 16 cores). Until a peer has finished that
+    # round: then nobody is waiting to form it (a mixing cell whose other member stepped alone kept its partner
+    # waiting out the 30 s)
     forming_until = memory.forming_until
     forming = forming_until is not None and now < forming_until and not outlook.next_step and \
         1 + len(ready) < min(cfg.target_group_size, len(members) if bits else cfg.target_group_size)
-    # (a mixing group of one, this peer alone in its cell, has nobody to wait for either)
-    # (members of our cell one step ahead averaged without us: they are not coming)
+    # (a mixing cell of one has nobody to wait for either; members of our cell a step ahead averaged without us)
     lone_cell = bool(bits) and not [p for p in members if p not in outlook.next_step and p != ask.me]
     attempts = memory.attempts
     if alone and (lone_cell or position.outer_step > 0 and not recently or attempts > 0) and not forming:
