@@ -66,7 +66,8 @@ def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
                evaluate_mean: bool = False, aggregation: str = "mean",
                attacks: Optional[Dict[int, Callable[[List[torch.Tensor]], List[torch.Tensor]]]] = None,
                data_attacks: Optional[Dict[int, Callable[[Iterator], Iterator]]] = None,
-               observe: Optional[Callable[[List[List[torch.Tensor]]], None]] = None) -> float:
+               observe: Optional[Callable[[List[List[torch.Tensor]]], None]] = None,
+               admit: Optional[Callable[[List[List[torch.Tensor]]], List[bool]]] = None) -> float:
     """Every replica in this process; the round is p2ptrain.outer's, the one the swarm's optimizer runs. With
     ``fragments`` > 1 or ``overlap_steps`` > 0, Streaming DiLoCo as the swarm runs it (p2ptrain/fragments.py): each
     fragment's pseudo-gradients taken at its launch step, averaged and applied at its apply step, and merged into
@@ -76,7 +77,8 @@ def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
     ``aggregation``: the reducers' rule (``robust.py``); ``attacks``: replica index -> what that replica sends
     instead of its pseudo-gradient; ``data_attacks``: replica index -> what that replica makes of its shard's batches
     to train on (the others train honestly on theirs); the loss is the first replica's, an honest one. ``observe``:
-    called with every round's pseudo-gradients as sent, one list of tensors per replica."""
+    called with every round's pseudo-gradients as sent, one list of tensors per replica; ``admit``: with the same,
+    which of them the round averages (a sender check, ``sender_check.py``; the others are left out)."""
     shards, held_out = replica_data(setup)
     if data_attacks:
         shards = [data_attacks[i](shard) if i in data_attacks else shard for i, shard in enumerate(shards)]
@@ -111,9 +113,11 @@ def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
             indices = plan.tensors[apply]
             if observe is not None:
                 observe(pending[apply])
+            sent = pending.pop(apply)
+            if admit is not None:
+                sent = [tensors for tensors, kept in zip(sent, admit(sent)) if kept]
             # every replica trained on the same number of samples since the last round: equal weights
-            average = group_average(pending.pop(apply), [1.0] * len(models), codec, DEFAULT_PART_SIZE_BYTES,
-                                    aggregation)
+            average = group_average(sent, [1.0] * len(sent), codec, DEFAULT_PART_SIZE_BYTES, aggregation)
             fragment = [global_params[t] for t in indices]
             outer_step_(outer, fragment, average)  # steps only the fragment's tensors
             for model in models:

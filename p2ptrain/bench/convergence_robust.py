@@ -18,7 +18,9 @@ loss is an honest replica's. The reducers' rule is applied wire part by wire par
 (``outer.group_average``).
 
 Each run also records what a direction check would see of each sender in each round (``sender_scores``): the cosine
-of its pseudo-gradient with the coordinatewise median of the others', and its norm over the median of theirs.
+of its pseudo-gradient with the coordinatewise median of the others', and its norm over the median of theirs. An
+aggregation named ``R+check`` runs ``R`` with the sender check acting (``sender_check.SenderCheck``): a sender it
+convicts is left out of every round after; ``convictions`` records who was convicted in which round.
 """
 
 from __future__ import annotations
@@ -32,11 +34,28 @@ from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequenc
 import torch
 
 from p2ptrain.bench.convergence import Setup, run_diloco
+from p2ptrain.sender_check import SenderCheck, round_scores
 
 DIRECTION_SCALE = 5.0
 DRIFT_SCALE = 0.2
 
 Sends = Callable[[List[torch.Tensor]], List[torch.Tensor]]
+CHECKED = "+check"
+"""an aggregation's suffix: the sender check acts in its runs"""
+
+
+def acting_check(check: SenderCheck) -> Callable[[List[List[torch.Tensor]]], List[bool]]:
+    """``run_diloco``'s ``admit``: scores the round's senders not convicted yet, and averages those; one it convicts
+    is left out from the next round on (in a swarm its scores come with the round's results)."""
+
+    def admit(sent: List[List[torch.Tensor]]) -> List[bool]:
+        senders = [str(i) for i in range(len(sent))]
+        kept = check.admitted(senders)
+        members = [i for i, ok in enumerate(kept) if ok]
+        check.observe(dict(zip([senders[i] for i in members], round_scores([sent[i] for i in members]))))
+        return kept
+
+    return admit
 
 
 def _scaled(factor: float) -> Sends:
@@ -151,6 +170,7 @@ def run_robust(setup: Setup, local_steps: int, aggregations: Sequence[str], atta
     out.mkdir(parents=True, exist_ok=True)
     rows: Dict[str, Dict[str, float]] = {}
     scores: Dict[str, Dict[str, dict]] = {}
+    convictions: Dict[str, Dict[str, dict]] = {}
     conditions = ["none", *[a for a in attacks if a != "none"]]
     bad = list(range(setup.peers - attackers, setup.peers))
     good = list(range(setup.peers - attackers))
@@ -162,9 +182,16 @@ def run_robust(setup: Setup, local_steps: int, aggregations: Sequence[str], atta
             seen = SenderScores()
             sends = {i: attack.sends() for i in bad} if attack.sends is not None else {}
             data = {i: attack.data for i in bad} if attack.data is not None else {}
-            loss = run_diloco(setup, local_steps, aggregation=aggregation, attacks=sends, data_attacks=data,
-                              observe=seen)
+            check = SenderCheck() if aggregation.endswith(CHECKED) else None
+            loss = run_diloco(setup, local_steps, aggregation=aggregation.removesuffix(CHECKED), attacks=sends,
+                              data_attacks=data, observe=seen, admit=acting_check(check) if check else None)
             rows[aggregation][name] = loss
+            if check is not None:
+                convictions.setdefault(aggregation, {})[name] = {
+                    "attackers": [check.first_conviction(str(i)) for i in bad] if name != "none" else [],
+                    "honest": {str(i): check.first_conviction(str(i)) for i in good + (bad if name == "none" else [])
+                               if check.first_conviction(str(i)) is not None},
+                    "flags": check.flags}
             scores[aggregation][name] = {"honest": seen.ranges(good), "attackers": seen.ranges(bad),
                                          "separated": seen.separated(bad), "cosines": seen.cosines,
                                          "norm_ratios": seen.norm_ratios}
@@ -172,10 +199,11 @@ def run_robust(setup: Setup, local_steps: int, aggregations: Sequence[str], atta
                  f"({time.perf_counter() - started:.0f}s)")
             (out / "robust.json").write_text(json.dumps(
                 {"setup": setup.__dict__, "local_steps": local_steps, "attackers": attackers, "losses": rows,
-                 "sender_scores": scores}, indent=1))
+                 "sender_scores": scores, "convictions": convictions}, indent=1))
     path = out / "robust.md"
     path.write_text("\n".join(robust_table(rows, conditions, setup, local_steps, attackers)
-                              + [""] + scores_table(scores, conditions)) + "\n")
+                              + [""] + scores_table(scores, conditions)
+                              + ([""] + convictions_table(convictions, conditions) if convictions else [])) + "\n")
     return path
 
 
@@ -199,6 +227,26 @@ def scores_table(scores: Dict[str, Dict[str, dict]], conditions: List[str]) -> L
             lines.append(f"| {name} | {span(honest['cosine'])} | {span(bad['cosine'])} | "
                          f"{span(honest['norm_ratio'])} | {span(bad['norm_ratio'])} | "
                          f"{apart['cosine']} of {apart['rounds']} | {apart['norm']} of {apart['rounds']} |")
+    return lines
+
+
+def convictions_table(convictions: Dict[str, Dict[str, dict]], conditions: List[str]) -> List[str]:
+    """Per checked aggregation and attack: the round each attacker was convicted in, and any honest sender convicted."""
+    lines = ["The sender check acting (`sender_check.py`: flagged when its cosine is below 0.6 of the others' median "
+             "cosine or its norm beyond 2x theirs, convicted when flagged 3 rounds in a row, left out after): the "
+             "round each attacker was convicted in (- never), honest senders convicted, flags raised:", "",
+             "| aggregation | " + " | ".join(conditions) + " |", "|---|" + "---:|" * len(conditions)]
+    for aggregation, runs in convictions.items():
+        cells = []
+        for name in conditions:
+            run = runs.get(name)
+            if run is None:
+                cells.append("-")
+                continue
+            caught = ", ".join("-" if r is None else str(r) for r in run["attackers"]) or "n/a"
+            wrong = f"; honest convicted: {', '.join(run['honest'])}" if run["honest"] else ""
+            cells.append(f"{caught}{wrong} ({run['flags']} flags)")
+        lines.append(f"| {aggregation} | " + " | ".join(cells) + " |")
     return lines
 
 

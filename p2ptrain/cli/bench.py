@@ -78,9 +78,10 @@ def _streaming_schedule(text: str) -> tuple:
                    "robust.md and robust.json in --out.")
 @click.option("--attackers", type=click.IntRange(min=1), default=1, show_default=True,
               help="--attack: how many of the --peers replicas attack, colluding (the same direction).")
-@click.option("--aggregation", "aggregations", type=click.Choice(["mean", "clip", "trim"]), multiple=True,
-              default=["mean", "clip", "trim"], show_default=True,
-              help="--attack: the reducers' rules to compare (repeatable).")
+@click.option("--aggregation", "aggregations", multiple=True, default=["mean", "clip", "trim"], show_default=True,
+              type=click.Choice(["mean", "clip", "trim", "mean+check", "clip+check", "trim+check"]),
+              help="--attack: the reducers' rules to compare (repeatable); R+check: R with the sender check acting "
+                   "(a sender it convicts is left out of the rounds after).")
 @click.option("--straggler-misses", "straggler_misses", type=click.IntRange(min=2), default=None,
               help="--convergence: instead, the last of --peers replicas misses every Mth round; what it does with "
                    "the work that missed (discard, fold into its next round) against nobody missing, at the first "

@@ -69,3 +69,15 @@ def test_a_short_run_with_two_colluders_of_six_writes_both_tables(tmp_path):
     assert flip["separated"] == {"rounds": 2, "cosine": 2, "norm": flip["separated"]["norm"]}
     with pytest.raises(ValueError, match="give fewer than --peers"):
         run_robust(setup, 2, ["mean"], ["flip"], tmp_path, attackers=6)
+
+
+def test_the_check_acting_convicts_a_flipping_sender_in_the_third_round(tmp_path):
+    setup = Setup(model="tiny", peers=4, batch_size=2, steps=12, eval_batches=1)
+    report = run_robust(setup, 2, ["mean+check"], ["flip"], tmp_path, echo=lambda line: None)
+    figures = json.loads((tmp_path / "robust.json").read_text())
+    assert figures["convictions"]["mean+check"]["flip"]["attackers"] == [3]
+    assert figures["convictions"]["mean+check"]["flip"]["honest"] == {}
+    nobody = figures["convictions"]["mean+check"]["none"]
+    assert nobody["attackers"] == [] and nobody["honest"] == {}  # no attacker: nobody convicted
+    assert len(figures["sender_scores"]["mean+check"]["flip"]["cosines"]) == 6  # 12 steps / H = 2
+    assert "| mean+check | " in report.read_text() and "3 (" in report.read_text()
