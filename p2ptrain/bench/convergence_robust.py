@@ -29,7 +29,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -234,40 +234,34 @@ def convictions_table(convictions: Dict[str, Dict[str, dict]], conditions: List[
     """Per checked aggregation and attack: the round each attacker was convicted in, and any honest sender convicted."""
     lines = ["The sender check acting (`sender_check.py`: flagged when its cosine is below 0.6 of the others' median "
              "cosine or its norm beyond 2x theirs, convicted when flagged 3 rounds in a row, left out after): the "
-             "round each attacker was convicted in (- never), honest senders convicted, flags raised:", "",
-             "| aggregation | " + " | ".join(conditions) + " |", "|---|" + "---:|" * len(conditions)]
-    for aggregation, runs in convictions.items():
-        cells = []
-        for name in conditions:
-            run = runs.get(name)
-            if run is None:
-                cells.append("-")
-                continue
-            caught = ", ".join("-" if r is None else str(r) for r in run["attackers"]) or "n/a"
-            wrong = f"; honest convicted: {', '.join(run['honest'])}" if run["honest"] else ""
-            cells.append(f"{caught}{wrong} ({run['flags']} flags)")
-        lines.append(f"| {aggregation} | " + " | ".join(cells) + " |")
+             "round each attacker was convicted in (- never), honest senders convicted, flags raised:", ""]
+
+    def cell(run: dict) -> str:
+        caught = ", ".join("-" if r is None else str(r) for r in run["attackers"]) or "n/a"
+        wrong = f"; honest convicted: {', '.join(run['honest'])}" if run["honest"] else ""
+        return f"{caught}{wrong} ({run['flags']} flags)"
+
+    return lines + _grid(convictions, conditions, cell)
+
+
+def _grid(runs: Dict[str, Dict[str, Any]], conditions: List[str], cell: Callable[[Any], str]) -> List[str]:
+    """A markdown table: a row per aggregation, a column per attack, ``cell`` of each run ("-" where none ran)."""
+    lines = ["| aggregation | " + " | ".join(conditions) + " |", "|---|" + "---:|" * len(conditions)]
+    for aggregation, by_attack in runs.items():
+        lines.append(f"| {aggregation} | " + " | ".join("-" if by_attack.get(name) is None else cell(by_attack[name])
+                                                       for name in conditions) + " |")
     return lines
 
 
 def robust_table(rows: Dict[str, Dict[str, float]], conditions: List[str], setup: Setup,
                  local_steps: int, attackers: int = 1) -> List[str]:
-    """Eval loss per aggregation and attack, each with its change against the plain mean without an attacker."""
-    base = rows.get("mean", {}).get("none")
+    """Eval loss per aggregation and attack, each with its change against nobody attacking under the plain mean (or,
+    where it did not run, under the first aggregation)."""
+    base_of = "mean" if "none" in rows.get("mean", {}) else next(iter(rows), "mean")
+    base = rows.get(base_of, {}).get("none")
     who = "One attacker" if attackers == 1 else f"{attackers} colluding attackers"
     lines = [f"{who} among {setup.peers} replicas ({setup.model} model, {setup.steps} inner steps, H = "
              f"{local_steps}, batch {setup.batch_size}, seed {setup.seed}); eval loss of an honest replica, and its "
-             "change against the plain mean with nobody attacking.", "",
-             "| aggregation | " + " | ".join(conditions) + " |", "|---|" + "---:|" * len(conditions)]
-    for aggregation, losses in rows.items():
-        cells = []
-        for attack in conditions:
-            loss = losses.get(attack)
-            if loss is None:
-                cells.append("-")
-            elif base:
-                cells.append(f"{loss:.4f} ({(loss / base - 1) * 100:+.1f}%)")
-            else:
-                cells.append(f"{loss:.4f}")
-        lines.append(f"| {aggregation} | " + " | ".join(cells) + " |")
-    return lines
+             f"change against {base_of} with nobody attacking.", ""]
+    return lines + _grid(rows, conditions, lambda loss: f"{loss:.4f} ({(loss / base - 1) * 100:+.1f}%)" if base
+                         else f"{loss:.4f}")
