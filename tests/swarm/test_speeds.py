@@ -9,6 +9,7 @@ import statistics
 
 import pytest
 
+from p2ptrain.pace import LOOKS_TO_LOWER
 from tests.helpers import exit_code, report, start_bootstrap, start_worker, stop_all, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
@@ -40,17 +41,20 @@ def test_a_slower_worker_takes_fewer_steps_and_holds_nobody_up(tmp_path, throttl
     own = [r for r in slow["rounds"] if not r["caught_up"]]
     strided = [r for r in own if r["stride"] > 1]
     assert strided, ([(r["outer_step"], r["stride"], r["inner_steps"]) for r in own], logs)
-    # one look halves the steps at most (a one-off stall must not cut H to 2): a 4x slower worker settles at its
-    # second strided phase; from then on it keeps up, every one of its rounds averaging with the fast worker
-    settled = [r for r in strided if r["stride"] >= 0.75 * throttle - 0.5]
-    assert settled and own.index(settled[0]) <= own.index(strided[0]) + 1, \
+    # settled: a stride near the throttle's and at most 2/3 of the steps. One look halves the steps at most (a one-off
+    # stall must not cut H to 2): a 4x slower worker settles at its second strided phase. A look that wants a smaller
+    # drop moves the count only with the next look (pace.LOOKS_TO_LOWER): on 2 cores shared with another test's swarm
+    # a 2x slower worker measured 1.3-1.7x at its first two looks (27 steps, in the band two phases later; CI). From
+    # then on it keeps up, every one of its rounds averaging with the fast worker
+    settled = [r for r in strided if r["stride"] >= 0.75 * throttle - 0.5 and r["inner_steps"] <= LOCAL_STEPS // 1.5]
+    assert settled and own.index(settled[0]) <= own.index(strided[0]) + LOOKS_TO_LOWER, \
         ([(r["outer_step"], r["stride"], r["inner_steps"]) for r in own], logs)
     later = own[own.index(settled[0]):]
     print(f"throttle {throttle:g}: slow worker's (outer step, stride, inner steps, group): "
           f"{[(r['outer_step'], r['stride'], r['inner_steps'], r['group_size']) for r in own]}")
     assert all(r["averaged"] and r["group_size"] == 2 for r in later), (later, logs)
     for r in later:
-        assert r["stride"] >= 0.75 * throttle - 0.5 and r["inner_steps"] <= LOCAL_STEPS // 1.5
+        assert r["stride"] >= 0.75 * throttle - 0.5 and r["inner_steps"] <= LOCAL_STEPS // 1.5, (r, own)
         assert r["samples"] == r["inner_steps"] * BATCH  # its weight: the samples it actually trained on
     # the fast worker's wait for it: from the time a phase of the slow one takes to about the noise of one
     before = [r["seconds"] for r in fast["rounds"][1:] if r["outer_step"] <= strided[0]["outer_step"] - 1]
