@@ -65,17 +65,42 @@ class RangeSums:
                          [a + b for a, b in zip(self.median_squares, other.median_squares)])
 
 
+NETWORK_ROWS = 16
+"""up to this many senders the columns are sorted by a network of elementwise min/max (10x torch's sort along the
+rows: 0.03 against 0.39 CPU seconds for a 25M model's range in a group of 4); more, by torch.sort"""
+
+
+def others_medians(flat: torch.Tensor) -> torch.Tensor:
+    """Row i: the coordinatewise median of every row but i (torch's median: the lower middle of an even count). One
+    sort of the n rows serves all n: with k = (n - 2) // 2, the others' median is the sorted column's (k+1)-th value
+    where row i's value is at most its k-th (removing it moves the rest down), else its k-th. A value tied with the
+    k-th gives the same either way."""
+    n = len(flat)
+    if n < 2:
+        return torch.zeros_like(flat)
+    k = (n - 2) // 2
+    if n > NETWORK_ROWS:
+        ordered = list(flat.sort(dim=0).values[k:k + 2])
+    else:
+        ordered = list(flat.unbind(0))
+        for r in range(n):  # odd-even transposition: n rounds sort n rows
+            for j in range(r % 2, n - 1, 2):
+                ordered[j], ordered[j + 1] = torch.minimum(ordered[j], ordered[j + 1]), \
+                    torch.maximum(ordered[j], ordered[j + 1])
+        ordered = ordered[k:k + 2]
+    return torch.where(flat <= ordered[0], ordered[1], ordered[0])
+
+
 def partial(parts: Sequence[torch.Tensor]) -> RangeSums:
     """The sums of one range, from each sender's part of it (the same range of every sender's vector)."""
     with torch.no_grad():
-        flat = torch.stack([part.reshape(-1).double() for part in parts])
-        dots, squares, median_squares = [], [], []
-        for i in range(len(flat)):
-            median = torch.cat([flat[:i], flat[i + 1:]]).median(dim=0).values if len(flat) > 1 else flat[i] * 0
-            dots.append(float(flat[i] @ median))
-            squares.append(float(flat[i] @ flat[i]))
-            median_squares.append(float(median @ median))
-    return RangeSums(dots, squares, median_squares)
+        flat = torch.stack([part.reshape(-1) for part in parts]).float()
+        medians = others_medians(flat)
+        # products in the parts' fp32, summed in fp64: the sums of any split into ranges agree to ~1e-12
+        dots = (flat * medians).sum(dim=1, dtype=torch.float64)
+        squares = (flat * flat).sum(dim=1, dtype=torch.float64)
+        median_squares = (medians * medians).sum(dim=1, dtype=torch.float64)
+    return RangeSums(dots.tolist(), squares.tolist(), median_squares.tolist())
 
 
 def scores_of(sums: RangeSums) -> List[Score]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2ptrain.sender_check import MIN_SENDERS, ROUNDS, RangeSums, SenderCheck, partial, round_scores, scores_of
+from p2ptrain.sender_check import (MIN_SENDERS, NETWORK_ROWS, ROUNDS, RangeSums, SenderCheck, others_medians, partial,
+                                   round_scores, scores_of)
 
 
 def honest_round(n: int, generator: torch.Generator, noise: float = 0.8) -> list:
@@ -82,3 +83,19 @@ def test_with_fewer_senders_than_the_check_needs_nobody_is_flagged():
         vectors[0] = [-5 * t for t in vectors[0]]
         check.observe({f"peer{i}": s for i, s in enumerate(round_scores(vectors))})
     assert check.flags == 0 and not check.convicted
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 8])
+def test_one_sort_gives_each_senders_others_median_as_torch_computes_it(n):
+    generator = torch.Generator().manual_seed(n)
+    flat = torch.randn(n, 500, generator=generator).double()
+    flat[:, :50] = flat[0, :50].clone()  # ties: every sender the same value
+    flat[1:3, 50:100] = flat[1, 50:100].clone()  # ties between two of them
+    for i, median in enumerate(others_medians(flat)):
+        assert torch.equal(median, torch.cat([flat[:i], flat[i + 1:]]).median(dim=0).values), i
+
+
+def test_more_senders_than_the_network_sorts_take_torchs_sort_to_the_same_medians():
+    flat = torch.randn(NETWORK_ROWS + 3, 200, generator=torch.Generator().manual_seed(9)).double()
+    for i, median in enumerate(others_medians(flat)):
+        assert torch.equal(median, torch.cat([flat[:i], flat[i + 1:]]).median(dim=0).values), i
