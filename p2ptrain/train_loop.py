@@ -224,7 +224,7 @@ class TrainLoop:
 
     def _tell_last_outer_step(self, syncs: int) -> None:
         """The outer step this peer leaves at, as far as this loop knows it now: its last round waits longer for late
-        peers, who could take the state from nobody after it (``round_policy.final_round_wait_s``)."""
+        peers, who could take the state from nobody after it (``round_policy.late_peer_wait_s``)."""
         opt, cfg = self.ranks.optimizer, self.cfg
         outer = getattr(opt, "diloco", opt)  # a sharded peer's leader holds the swarm-side optimizer
         if outer is None or not hasattr(outer, "last_outer_step"):

@@ -70,7 +70,7 @@ class PeerState:
     """when this peer's current inner phase began (late_peer_wait_s)"""
     last_outer_step: Optional[int] = None
     """the outer step this peer leaves at, when its trainer knows it (--max-outer-steps, --until-outer-step): its
-    last round waits for the late peers as long as a phase (round_policy.final_round_wait_s)"""
+    last round waits for the late peers as long as a phase (round_policy.late_peer_wait_s)"""
     last_group: set = field(default_factory=set)
     """the other members of our last round that averaged (base58 ids)"""
     in_flight: Any = None

@@ -67,19 +67,15 @@ def behind(outlook: RoundOutlook, settings: RoundSettings) -> bool:
     return outlook.far_ahead
 
 
-def late_peer_wait_s(settings: RoundSettings, expected: int, phase_s: float) -> float:
+def late_peer_wait_s(settings: RoundSettings, expected: int, phase_s: float, last: bool = False) -> float:
     """How long the ready peers wait for late ones. Waiting t seconds idles the ready peers, (expected - 1) * t compute-
     seconds; leaving a late peer out throws away its phase so far (``phase_s``), about phase - t: so the default waits
-    up to a phase / expected (the break-even), and at least the matchmaking window."""
+    up to a phase / expected (the break-even), and at least the matchmaking window. In the ``last`` round before this
+    peer leaves, a whole phase: a late peer left out of the round that ends the run finds nobody to take the state
+    from (docs/rounds.md). A bound the user set is kept."""
     if settings.late_peer_wait_s is not None:
         return settings.late_peer_wait_s
-    return max(settings.matchmaking_time_s, phase_s / max(expected, 2))
-
-
-def final_round_wait_s(settings: RoundSettings, expected: int, phase_s: float) -> float:
-    """``late_peer_wait_s`` in the last round before this peer leaves: a whole phase (a bound the user set is kept).
-    A late peer left out of the round that ends the run finds nobody to take the state from (docs/rounds.md)."""
-    return max(late_peer_wait_s(settings, expected, phase_s), phase_s if settings.late_peer_wait_s is None else 0.0)
+    return max(settings.matchmaking_time_s, phase_s if last else phase_s / max(expected, 2))
 
 
 def plan_round(settings: RoundSettings, ready: List[str], late: List[str],
@@ -281,8 +277,8 @@ def _after_look(look: Look, memory: Memory, ask: Ask, cfg: RoundSettings) -> Tup
     late = [peer for peer in moving if peer not in memory.excluded]
     late_deadline = memory.late_deadline
     if late_deadline is None:
-        wait_s = final_round_wait_s if position.last else late_peer_wait_s
-        late_deadline = now + wait_s(cfg, 1 + len(ready) + len(late), now - position.phase_started)
+        late_deadline = now + late_peer_wait_s(cfg, 1 + len(ready) + len(late), now - position.phase_started,
+                                               position.last)
     memory = replace(memory, last_moved=MappingProxyType(last_moved), late_deadline=late_deadline)
     ready_members = [peer for peer in outlook.ready if peer in members]
     alone = not ready_members and not moving and not ask.single_attempt and cfg.no_group_policy == "apply_local"

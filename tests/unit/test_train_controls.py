@@ -220,7 +220,7 @@ class Syncing(StandIn):
     (dict(max_outer_steps=5, until_outer_step=2), (), [2, 2]),
 ])
 def test_the_loop_tells_the_optimizer_the_outer_step_it_leaves_at(limits, caught_up, told):
-    """The optimizer's last round waits longer for late peers (round_policy.final_round_wait_s); it learns which round
+    """The optimizer's last round waits longer for late peers (round_policy.late_peer_wait_s); it learns which round
     is its last from the loop, at the start and after every sync."""
     model = build_model("tiny")
     opt = Syncing(model.parameters(), caught_up)
