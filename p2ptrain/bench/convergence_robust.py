@@ -119,20 +119,9 @@ class SenderScores:
         self.norm_ratios: List[List[float]] = []
 
     def __call__(self, sent: List[List[torch.Tensor]]) -> None:
-        with torch.no_grad():
-            flat = torch.stack([torch.cat([t.reshape(-1).float() for t in tensors]) for tensors in sent])
-            norms = torch.linalg.vector_norm(flat, dim=1)
-            cosines, ratios = [], []
-            for i in range(len(flat)):
-                others = torch.cat([flat[:i], flat[i + 1:]])
-                median = others.median(dim=0).values
-                denominator = float(norms[i] * torch.linalg.vector_norm(median))
-                cosines.append(float(flat[i] @ median) / denominator if denominator else 0.0)
-                other_norms = torch.cat([norms[:i], norms[i + 1:]])
-                median_norm = float(other_norms.median())
-                ratios.append(float(norms[i]) / median_norm if median_norm else 0.0)
-        self.cosines.append(cosines)
-        self.norm_ratios.append(ratios)
+        scores = round_scores(sent)  # what the sender check scores, of every sender, convicted or not
+        self.cosines.append([score.cosine for score in scores])
+        self.norm_ratios.append([score.norm_ratio for score in scores])
 
     def _rounds_after(self, skip_rounds: int) -> range:
         """The rounds after the first ``skip_rounds``, or the last round alone if there are no more."""
@@ -187,11 +176,10 @@ def run_robust(setup: Setup, local_steps: int, aggregations: Sequence[str], atta
                               data_attacks=data, observe=seen, admit=acting_check(check) if check else None)
             rows[aggregation][name] = loss
             if check is not None:
+                honest = {str(i) for i in good} if name != "none" else {str(i) for i in good + bad}
                 convictions.setdefault(aggregation, {})[name] = {
                     "attackers": [check.first_conviction(str(i)) for i in bad] if name != "none" else [],
-                    "honest": {str(i): check.first_conviction(str(i)) for i in good + (bad if name == "none" else [])
-                               if check.first_conviction(str(i)) is not None},
-                    "flags": check.flags}
+                    "honest": {s: c.round for s, c in check.convicted.items() if s in honest}, "flags": check.flags}
             scores[aggregation][name] = {"honest": seen.ranges(good), "attackers": seen.ranges(bad),
                                          "separated": seen.separated(bad), "cosines": seen.cosines,
                                          "norm_ratios": seen.norm_ratios}
