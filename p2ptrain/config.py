@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 COMPRESSION_NAMES = ("none", "fp16", "bf16", "int8", "sparse")
 """averaging/compression.py's COMPRESSION_CHOICES (its butterfly codecs, then sparse), in its order"""
-AGGREGATION_NAMES = ("mean", "clip", "trim")
+AGGREGATION_NAMES = ("mean", "clip", "trim", "mean+check", "clip+check", "trim+check")
 """averaging/robust.py's AGGREGATIONS: how a reducer combines its group's parts"""
 NO_GROUP_POLICIES = ("apply_local", "wait")
 """diloco.NO_GROUP_POLICIES: what a peer does when nobody is there to average with"""
@@ -119,7 +119,9 @@ class DiLoCoConfig:
     """how each reducer combines its group's pseudo-gradients: "mean" (weighted by samples), "clip" (centered
     clipping: one insider moves the result by a bounded step, and an honest group gets its mean) or "trim" (the
     coordinate-wise trimmed mean, which also drops honest values); needs groups of 3 or more to do anything, and a
-    butterfly codec (not sparse). Every peer of a run must agree (docs/security.md, "Robust aggregation")"""
+    butterfly codec (not sparse). "+check" (e.g. "trim+check") also convicts a sender whose pseudo-gradient points
+    away from the others' or is far larger, 3 rounds in a row, in groups of 4 or more (docs/security.md, "Catching a
+    poisoning sender"). Every peer of a run must agree (docs/security.md, "Robust aggregation")"""
     audit_parts: int = setting(1, at_least=0)
     """parts of other reducers' ranges this peer recomputes after each round from their inputs (audit: a reducer that
     signed a wrong average is excluded, swarm-wide where the proof fits in the DHT); 0 turns audits off. Each costs

@@ -87,8 +87,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         # evidence.py: our averages go out signed; a signed average we refuse goes to on_bad_average (evidence)
         self._on_bad_average = on_bad_average or (lambda reducer, part_index, message, reason: None)
         # audit.py: the receipts we sign as a reducer and check as a sender, the inputs we keep for our auditors
-        self._receipts = Receipts(signer, require_receipts, weight_cap, aggregation)
+        self._receipts = Receipts(signer, require_receipts, weight_cap, aggregation, len(self.sender_peer_ids))
         self.kept_inputs = self._receipts.kept_inputs  # (part index, sender index) -> the part as it came
+        self.sender_sums = self._receipts.sums  # the senders' sums of every part, under the sender check
         self.audit_targets: List[tuple] = []  # (reducer, part index, its answer): the parts we audit after the round
         # parts and averages whose norm is far above ours are refused (norm_check.py)
         self._norms = NormCheck.of_round(self.tensor_part_container, max_norm_ratio, deviation_scale)
@@ -175,7 +176,8 @@ class ExactAllReduceRunner(AllReduceRunner):
             with self.clock("sign"):
                 # the receipt: what went into this average (every sender's commitment and weight), signed with it
                 included = set(self.tensor_part_reducer.included_by_part.get(part_index, ()))
-                self._receipts.sign(self.group_id, part_index, message, included, self.tensor_part_reducer.num_senders)
+                self._receipts.sign(self.group_id, part_index, message, included, self.tensor_part_reducer.num_senders,
+                                    self.tensor_part_reducer.sums_by_part.get(part_index))
         return message
 
     def _encode_own(self, tensor_part: torch.Tensor) -> tuple:

@@ -47,9 +47,10 @@ from hivemind.utils import get_logger
 from p2ptrain.averaging.compression import WireCodec
 from p2ptrain.averaging.context import AveragerContext
 from p2ptrain.averaging.kept_inputs import SpilledInputs, inputs_nbytes, spill
-from p2ptrain.averaging.robust import AGGREGATIONS, robust_aggregate
+from p2ptrain.averaging.robust import AGGREGATIONS, checks_senders, robust_aggregate
 from p2ptrain.finite import all_finite
 from p2ptrain.proto import p2ptrain_pb2
+from p2ptrain.sender_check import RangeSums, partial
 
 logger = get_logger(__name__)
 
@@ -59,6 +60,8 @@ AUDIT_TOLERANCE = 0.01
 """an audited average may differ from the recomputed one by this share of its norm: the reducer adds its senders'
 parts in the order they arrive, the auditor in group order, and the float32 sums differ in their last bits, which
 rounding to the wire format can turn into one fp16 step"""
+SUMS_TOLERANCE = 1e-6
+"""a signed sender sum (sender_check.py) may differ from the recomputed one by this share of its scale"""
 ABSOLUTE_SLACK = 1e-6
 """... plus this much per value's square root (an all-zero average)"""
 AUDIT_KEEP_S = 120.0
@@ -98,12 +101,18 @@ def commitment_of(serialized: bytes) -> bytes:
         return b""
 
 
-def make_receipt(entries: Sequence[Optional[Tuple[bytes, float]]], weight_cap: float, aggregation: str) -> bytes:
+def make_receipt(entries: Sequence[Optional[Tuple[bytes, float]]], weight_cap: float, aggregation: str,
+                 sums: Optional[RangeSums] = None) -> bytes:
     """The serialized ``Receipt`` of one part: ``entries[i]`` is sender i's (commitment, weight), None if its part is
-    not in the average."""
-    return p2ptrain_pb2.Receipt(commitments=[e[0] if e else b"" for e in entries],
-                                weights=[e[1] if e else 0.0 for e in entries], weight_cap=weight_cap,
-                                aggregation=aggregation).SerializeToString()
+    not in the average; ``sums``: the senders' sums over it, under an aggregation that checks senders."""
+    receipt = p2ptrain_pb2.Receipt(commitments=[e[0] if e else b"" for e in entries],
+                                   weights=[e[1] if e else 0.0 for e in entries], weight_cap=weight_cap,
+                                   aggregation=aggregation)
+    if sums is not None:
+        receipt.dots.extend(sums.dots)
+        receipt.squares.extend(sums.squares)
+        receipt.median_squares.extend(sums.median_squares)
+    return receipt.SerializeToString()
 
 
 def check_receipt(receipt: p2ptrain_pb2.Receipt, *, senders: int, me: int, sent: bytes, weight: float,
@@ -122,6 +131,12 @@ def check_receipt(receipt: p2ptrain_pb2.Receipt, *, senders: int, me: int, sent:
     if receipt.weight_cap != weight_cap or receipt.aggregation != aggregation:
         return (f"an average with weight cap {receipt.weight_cap!r} and aggregation {receipt.aggregation!r}, not the "
                 f"group's {weight_cap!r} and {aggregation!r}")
+    if checks_senders(aggregation):
+        sums = (receipt.dots, receipt.squares, receipt.median_squares)
+        if any(len(values) != senders for values in sums):
+            return f"a receipt without the {senders} senders' sums that aggregation {aggregation!r} needs"
+        if not all(math.isfinite(v) for values in sums for v in values) or min(*sums[1], *sums[2]) < 0:
+            return "a receipt whose senders' sums are not finite, or hold a negative square"
     return ""
 
 
@@ -161,6 +176,29 @@ def verdict(receipt: p2ptrain_pb2.Receipt, inputs: Sequence[bytes], average: byt
     if not math.isfinite(distance) or distance > AUDIT_TOLERANCE * norm + ABSOLUTE_SLACK * math.sqrt(expected.numel()):
         return (f"it signed an average at distance {distance:.4g} from the {receipt.aggregation} of the "
                 f"{len(parts)} inputs it signed for (norm {norm:.4g})")
+    return sums_verdict(receipt, inputs, codec) if checks_senders(receipt.aggregation) else ""
+
+
+def sums_verdict(receipt: p2ptrain_pb2.Receipt, inputs: Sequence[bytes], codec: WireCodec) -> str:
+    """Why the senders' sums a reducer signed convict it, given the inputs (empty if they do not): recomputed over
+    the senders that weigh more than 0, as the reducer must, each may differ by ``SUMS_TOLERANCE`` of its scale (the
+    products are summed in float64 in another order)."""
+    if not len(receipt.dots) == len(receipt.squares) == len(receipt.median_squares) == len(inputs):
+        return ""  # honest members refuse such a receipt (check_receipt): it is no proof of false sums
+    scored = [i for i, (given, weight) in enumerate(zip(inputs, receipt.weights)) if given and weight > 0]
+    expected = RangeSums(*([0.0] * len(inputs) for _ in range(3)))
+    if len(scored) >= 2:
+        part = partial([codec.extract(runtime_pb2.Tensor.FromString(inputs[i])) for i in scored])
+        for i, dot, square, median_square in zip(scored, part.dots, part.squares, part.median_squares):
+            expected.dots[i], expected.squares[i], expected.median_squares[i] = dot, square, median_square
+    for i in range(len(inputs)):
+        scale = math.sqrt(expected.squares[i] * expected.median_squares[i]) + expected.squares[i] + \
+            expected.median_squares[i] + 1e-30
+        signed = (receipt.dots[i], receipt.squares[i], receipt.median_squares[i])
+        wanted = (expected.dots[i], expected.squares[i], expected.median_squares[i])
+        if any(abs(a - b) > SUMS_TOLERANCE * scale for a, b in zip(signed, wanted)):
+            return (f"it signed sums {signed} for sender {i} where its inputs give {wanted}: the sender check's "
+                    "scores would be false")
     return ""
 
 

@@ -40,6 +40,7 @@ from p2ptrain.averaging.process import enter_averager_process, leave_averager_pr
 from p2ptrain.averaging.robust import check_aggregation, weight_cap
 from p2ptrain.averaging.round import (IncompleteRoundError, RoundResult, claimed_weights, mixes_states,
                                       own_norm_scale, read_gathered, schema_hash)
+from p2ptrain.averaging.sender_scores import SenderChecks
 from p2ptrain.averaging.sparse import Layout
 from p2ptrain.averaging.sparse_round import SparseGather
 from p2ptrain.averaging.state_donor import StateDonor
@@ -79,10 +80,8 @@ class PseudoGradientAverager(DecentralizedAverager):
         check_hivemind()  # the internals below are hivemind 1.1.12's: refuse another hivemind in one line
         self.compression_name = compression
         # how a reducer combines its members' parts (robust.py): part of the schema, so a group agrees on it
-        self.aggregation = check_aggregation(aggregation)
-        if aggregation != "mean" and compression == SPARSE:
-            raise ValueError(f"aggregation {aggregation!r} needs a butterfly round: the sparse codec's all-gather "
-                             "averages every member's message on every member; use aggregation 'mean' with it")
+        self.aggregation = check_aggregation(aggregation, sparse=compression == SPARSE,
+                                             signed=getattr(dht, "identity", None) is not None)
         # who may take part: the swarm key's rule (security.SwarmAuth) that start_dht attached to the DHT
         self.auth: SwarmAuth = getattr(dht, "auth", SwarmAuth())
         self.max_norm_ratio = max_norm_ratio
@@ -93,6 +92,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             if compression == SPARSE else None
         self.bans = Bans()  # who we exclude for misbehaving (averager process), listed for the host
         self.admission = Admission(self.auth, self.bans, self.serializer, self.ban)
+        self.sender_checks = SenderChecks(aggregation, self.ban)  # convicts poisoning senders (sender_scores.py)
         super().__init__([*averaged_tensors, *state_tensors], dht,
                          compression=get_compression("none" if compression == SPARSE else compression),
                          start=False, **kwargs)
@@ -250,11 +250,11 @@ class PseudoGradientAverager(DecentralizedAverager):
 
     # ------------------------------------------------------------------------------------- admission and bans
 
-    def ban(self, peer: PeerID, reason: str) -> None:
-        """Keep ``peer`` out of our groups for ``BAN_S`` (averager process): we neither accept its join request,
+    def ban(self, peer: PeerID, reason: str, for_s: float = BAN_S) -> None:
+        """Keep ``peer`` out of our groups for ``for_s`` (averager process): we neither accept its join request,
         nor ask it to lead us, nor stay in a group that holds it (nor take its state or its sparse pieces)."""
-        if self.bans.add(peer, reason):  # said once: an exclusion extended keeps its first reason, unsaid
-            logger.warning(f"excluding peer {peer} from this run for {BAN_S:.0f}s: {reason}")
+        if self.bans.add(peer, reason, for_s):  # said once: an exclusion extended keeps its first reason, unsaid
+            logger.warning(f"excluding peer {peer} from this run for {for_s:.0f}s: {reason}")
 
     def is_banned(self, peer: PeerID) -> bool:
         return self.bans.is_banned(peer)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from hivemind.p2p import PeerID
 
@@ -23,15 +23,16 @@ class Bans:
         self._total = mp.Value(ctypes.c_int64, 0)
         self._ids = mp.Array(ctypes.c_char, MAX_PEER_LIST_BYTES)
 
-    def add(self, peer: PeerID, reason: str) -> bool:
-        """Exclude ``peer`` for ``BAN_S`` from now (averager process); True if it was not excluded yet (an exclusion
-        extended keeps its first reason and counts once)."""
+    def add(self, peer: PeerID, reason: str, for_s: Optional[float] = None) -> bool:
+        """Exclude ``peer`` for ``for_s`` (``BAN_S``) from now (averager process); True if it was not excluded yet (an
+        exclusion extended keeps its first reason and counts once; it never ends sooner than it would have)."""
         new = not self.is_banned(peer)
         if new:
             self._total.value += 1
         else:
             reason = self._banned[peer][1]
-        self._banned[peer] = (time.monotonic() + BAN_S, reason)
+        until = time.monotonic() + (BAN_S if for_s is None else for_s)
+        self._banned[peer] = (max(until, self._banned.get(peer, (until,))[0]), reason)
         live = [p for p in list(self._banned) if self.is_banned(p)]
         ends = time.time() - time.monotonic()  # the host compares wall-clock ends: its monotonic clock is its own
         self._ids.value = joined_ids([f"{p.to_base58()}@{self._banned[p][0] + ends:.0f}" for p in live])

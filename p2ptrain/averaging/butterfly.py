@@ -17,7 +17,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 
 from p2ptrain.averaging.allreduce import ExactAllReduceRunner
 from p2ptrain.averaging.part_size import link_rate
-from p2ptrain.averaging.round import SERVE_SENDERS_TIMEOUT_S, IncompleteRoundError, RoundResult
+from p2ptrain.averaging.round import SERVE_SENDERS_TIMEOUT_S, IncompleteRoundError, RoundResult, read_gathered
 from p2ptrain.finite import all_finite
 from p2ptrain.hivemind_compat import p2p_of, register_runner
 
@@ -98,6 +98,12 @@ async def run_butterfly(averager, tensors: Sequence[torch.Tensor], group_info: G
                                                        time.perf_counter() - started))
             averager.last_updated = time.time()
             averager.auditor.start(group_id, runner.audit_targets, runner._codec)
+            if runner.sender_sums is not None and "deviation_scale" not in kwargs:  # pseudo-gradients, not states
+                with runner.clock("checks"):
+                    averager.sender_checks.judge(runner.sender_sums, runner.sender_peer_ids,
+                                                 read_gathered(averager.serializer, group_info)[0],
+                                                 sum(runner.tensor_part_container.num_parts_by_peer),
+                                                 averager.peer_id)
     finally:
         averager.auditor.set_aside(group_id)  # the inputs we signed for wait for their auditors in a file
     return round_result(runner, len(group_info.peer_ids))

@@ -2,7 +2,9 @@
 
 As a reducer that signs (evidence.py): each input's commitment and weight, and the input itself, kept for the group's
 auditors; each average goes out with its receipt, signed. As a sender: the commitment of each part we sent, to find
-in every answer's receipt (an unsigned answer is refused where receipts are ``required``)."""
+in every answer's receipt (an unsigned answer is refused where receipts are ``required``). Under an aggregation that
+checks senders, every receipt's sums, ours and the other reducers', add up into the round's (``sums``,
+sender_scores.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,15 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2ptrain.averaging.audit import check_receipt, make_receipt
 from p2ptrain.averaging.evidence import AverageSigner, verified_receipt
+from p2ptrain.averaging.robust import checks_senders
+from p2ptrain.averaging.sender_scores import RoundSums
+from p2ptrain.proto import p2ptrain_pb2
+from p2ptrain.sender_check import RangeSums
 
 
 class Receipts:
-    def __init__(self, signer: Optional[AverageSigner], required: bool, weight_cap: float, aggregation: str) -> None:
+    def __init__(self, signer: Optional[AverageSigner], required: bool, weight_cap: float, aggregation: str,
+                 senders: int) -> None:
         self.signer, self._required = signer, required
         self._weight_cap, self._aggregation = weight_cap, aggregation
         self._commitments: Dict[tuple, tuple] = {}  # (part index, sender index) -> (commitment, weight)
@@ -24,6 +31,8 @@ class Receipts:
         self.sent: Dict[tuple, bytes] = {}  # (reducer index, part index) -> our part's commitment
         self.signatures: Dict[int, bytes] = {}  # part index -> what our answer's ``peer_id`` field carries
         self._reducer_keys: dict = {}  # the reducers' public keys checked so far (evidence._verify)
+        # the senders' sums of every part whose receipt we checked or signed (the sender check), None without it
+        self.sums: Optional[RoundSums] = RoundSums(senders) if checks_senders(aggregation) else None
 
     def keep(self, part_index: int, sender_index: int, message: runtime_pb2.Tensor, committed: bytes,
              weight: float) -> None:
@@ -32,12 +41,14 @@ class Receipts:
         self._commitments[(part_index, sender_index)] = (committed, weight)
 
     def sign(self, group_id: bytes, part_index: int, average: runtime_pb2.Tensor, included: set,
-             num_senders: int) -> None:
+             num_senders: int, sums: Optional[RangeSums] = None) -> None:
         """As a reducer with a signer: the receipt of what went into this average (the ``included`` senders'
-        commitments and weights), signed with it."""
+        commitments and weights, and their ``sums`` under the sender check), signed with it."""
         entries = [self._commitments.get((part_index, i)) if i in included else None for i in range(num_senders)]
-        receipt = make_receipt(entries, self._weight_cap, self._aggregation)
+        receipt = make_receipt(entries, self._weight_cap, self._aggregation, sums if self.sums is not None else None)
         self.signatures[part_index] = self.signer.sign(group_id, part_index, receipt, average)
+        if self.sums is not None:
+            self.sums.add(p2ptrain_pb2.Receipt.FromString(receipt))
 
     def problem(self, reducer: PeerID, group_id: bytes, reducer_index: int, part_index: int,
                 message: averaging_pb2.AveragingData, senders: int, me: int, weight: float) -> str:
@@ -49,5 +60,8 @@ class Receipts:
                                    self._reducer_keys)
         if receipt is None:
             return "an average that it did not sign"
-        return check_receipt(receipt, senders=senders, me=me, sent=self.sent.get((reducer_index, part_index), b""),
-                             weight=weight, weight_cap=self._weight_cap, aggregation=self._aggregation)
+        problem = check_receipt(receipt, senders=senders, me=me, sent=self.sent.get((reducer_index, part_index), b""),
+                                weight=weight, weight_cap=self._weight_cap, aggregation=self._aggregation)
+        if not problem and self.sums is not None:
+            self.sums.add(receipt)
+        return problem

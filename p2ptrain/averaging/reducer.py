@@ -10,7 +10,8 @@ import math
 import torch
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 
-from p2ptrain.averaging.robust import robust_aggregate
+from p2ptrain.averaging.robust import checks_senders, robust_aggregate
+from p2ptrain.sender_check import RangeSums, partial
 
 
 class Reducer(TensorPartReducer):
@@ -26,7 +27,8 @@ class Reducer(TensorPartReducer):
     same order whatever order they arrive in).
 
     It records which senders' parts went into each part's average (``included_by_part``), for the receipt the
-    runner signs with it (audit.py)."""
+    runner signs with it (audit.py), and under an aggregation that checks senders each sender's sums over the part
+    (``sums_by_part``, sender_check.py: 0 for a sender left out or of weight 0)."""
 
     aggregation = "mean"
     weight_cap = math.inf
@@ -40,12 +42,14 @@ class Reducer(TensorPartReducer):
         reducer.contributions = {}
         reducer.current_included = []
         reducer.included_by_part = {}
+        reducer.sums_by_part = {}
         return reducer
 
     def reset_accumulators(self):
         self.contributions = {}  # sender index -> (part, weight) of the current part (robust aggregation)
         self.current_included = []  # senders whose part is in the current part's average, as they came
         self.__dict__.setdefault("included_by_part", {})  # part index -> those senders, in group order
+        self.__dict__.setdefault("sums_by_part", {})  # part index -> every sender's RangeSums of it (sender check)
         super().reset_accumulators()
 
     async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
@@ -81,6 +85,8 @@ class Reducer(TensorPartReducer):
             self.included_by_part[self.current_part_index] = sorted(self.current_included)
         if self.aggregation != "mean" and self.current_part_accumulated_from == self.num_current_senders:
             ordered = [self.contributions[i] for i in sorted(self.contributions)]
+            if checks_senders(self.aggregation):
+                self.sums_by_part[self.current_part_index] = self._sender_sums()
             if ordered:
                 self.accumulator = robust_aggregate([part for part, _ in ordered], [w for _, w in ordered],
                                                     self.aggregation)
@@ -88,6 +94,16 @@ class Reducer(TensorPartReducer):
         elif self.current_part_accumulated_from == self.num_current_senders and self.denominator == 0:
             self.denominator = 1.0  # the accumulator holds zeros: 0 x each part
         super().check_current_part_finished()
+
+    def _sender_sums(self) -> RangeSums:
+        """Every sender's sums over the current part (sender_check.partial), over the senders that weigh more than 0."""
+        scored = [i for i in sorted(self.contributions) if self.contributions[i][1] > 0]
+        sums = RangeSums(*([0.0] * self.num_senders for _ in range(3)))
+        if len(scored) >= 2:
+            part = partial([self.contributions[i][0] for i in scored])
+            for i, dot, square, median_square in zip(scored, part.dots, part.squares, part.median_squares):
+                sums.dots[i], sums.squares[i], sums.median_squares[i] = dot, square, median_square
+        return sums
 
     def part_problem(self, part_index: int, tensor_part: torch.Tensor, weight: float) -> str:
         """Why a sender's part cannot enter this reducer's sums (its index, shape or weight), or an empty string."""

@@ -25,6 +25,10 @@ that runs with --no-adaptive-steps.
   attackers every value of the result lies within the range of the honest members' values. It throws away honest
   information too (with n = 3 it is the median), so it costs accuracy when nobody attacks.
 
+Any of them named with ``CHECKED`` ("trim+check") also runs the sender check (``sender_check.py``): each reducer
+sums every sender's scores over its range into its signed receipts, and every member convicts a sender its checks
+flag three rounds in a row (``averaging/sender_scores.py``).
+
 Both need n >= 3: in a group of 2 nobody can tell the honest member from the other, and the result is the mean.
 Members that weigh 0 (a newcomer with nothing to add, a diverged peer) are left out, as in the mean. The reducer
 computes the aggregate once and sends the same bits to every member, so the members stay bit-identical.
@@ -38,7 +42,10 @@ from typing import Iterable, Sequence
 
 import torch
 
-AGGREGATIONS = ("mean", "clip", "trim")
+RULES = ("mean", "clip", "trim")
+CHECKED = "+check"
+"""an aggregation's suffix: the sender check acts too (sender_check.py)"""
+AGGREGATIONS = (*RULES, *(rule + CHECKED for rule in RULES))
 CLIP_RADIUS = 2.0
 """tau = this x the median distance of the members' contributions to their coordinate-wise median. Honest
 pseudo-gradients lie at similar distances from their median (many values, independent noise), so at 2x none of
@@ -58,9 +65,26 @@ def weight_cap(weights: Iterable[float]) -> float:
     return WEIGHT_CAP * statistics.median(positive) if positive else math.inf
 
 
-def check_aggregation(name: str) -> str:
+def rule_of(aggregation: str) -> str:
+    """The rule that combines the parts: the aggregation without its ``CHECKED`` suffix."""
+    return aggregation.removesuffix(CHECKED)
+
+
+def checks_senders(aggregation: str) -> bool:
+    return aggregation.endswith(CHECKED)
+
+
+def check_aggregation(name: str, sparse: bool = False, signed: bool = True) -> str:
+    """``name``, if an averager can run it: a known aggregation, a butterfly round unless it is "mean" (``sparse``:
+    the sparse codec's all-gather), receipts the reducers sign under the sender check (``signed``)."""
     if name not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {name!r}: choose one of {', '.join(AGGREGATIONS)}")
+    if name != "mean" and sparse:
+        raise ValueError(f"aggregation {name!r} needs a butterfly round: the sparse codec's all-gather averages "
+                         "every member's message on every member; use aggregation 'mean' with it")
+    if checks_senders(name) and not signed:
+        raise ValueError(f"aggregation {name!r} needs reducers that sign their receipts (the senders' sums): start "
+                         "the DHT with p2ptrain.swarm.dht.start_dht, which gives each peer its identity key")
     return name
 
 
@@ -68,6 +92,7 @@ def check_aggregation(name: str) -> str:
 def robust_aggregate(parts: Sequence[torch.Tensor], weights: Sequence[float], aggregation: str) -> torch.Tensor:
     """The aggregate of the members' ``parts`` (same shape, fp32 result) under ``aggregation``. ``weights``: their
     stated weights; members of weight 0 are left out, and a group that all weighs 0 gets zeros."""
+    aggregation = rule_of(aggregation)
     members = [(part.float(), float(w)) for part, w in zip(parts, weights, strict=True) if w > 0]
     if not members:
         return torch.zeros_like(parts[0], dtype=torch.float32)

@@ -54,7 +54,7 @@ class NotInRoundError(AllreduceException):
     """A member answered that it runs no round of this group: its matchmaking left as the leader counted it in."""
 
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 """What peers must agree on beyond the codec to average together; bumped when a round's meaning changes.
 2: digests of the global parameters are sha256 (they were blake2b). 3: join requests carry an admission token,
 records about a peer are signed, parts are checked against the reducer's own norm. 4: reducers stream averages to
@@ -68,7 +68,8 @@ that leaves stores a leaving record (``PeerProgress.leaving``): with 6's peers t
 signed answer carries its receipt (``audit.py``), which senders check and auditors recompute: 8's bare signature
 does not parse as 9's. 10: a round's parts and averages go over p2ptrain's own stream (``part_stream.py``), not
 hivemind's protobuf stream, which 10's peers refuse. 11: a round's part size comes from its members' measured link
-rates (``part_size.py``): 10's peers would cut the default size and refuse 11's parts."""
+rates (``part_size.py``): 10's peers would cut the default size and refuse 11's parts. 12: a receipt carries each
+sender's sums under an aggregation that checks senders (``sender_scores.py``), which 11's peers do not know."""
 
 SERVE_SENDERS_TIMEOUT_S = 15.0
 """how long a reducer that has its own result waits for the other senders to take their last averages"""

@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 
 import torch
 
+from p2ptrain.averaging.robust import checks_senders, rule_of
 from p2ptrain.bench.convergence import Setup, run_diloco
 from p2ptrain.sender_check import SenderCheck, round_scores
 
@@ -40,8 +41,6 @@ DIRECTION_SCALE = 5.0
 DRIFT_SCALE = 0.2
 
 Sends = Callable[[List[torch.Tensor]], List[torch.Tensor]]
-CHECKED = "+check"
-"""an aggregation's suffix: the sender check acts in its runs"""
 
 
 def acting_check(check: SenderCheck) -> Callable[[List[List[torch.Tensor]]], List[bool]]:
@@ -171,8 +170,8 @@ def run_robust(setup: Setup, local_steps: int, aggregations: Sequence[str], atta
             seen = SenderScores()
             sends = {i: attack.sends() for i in bad} if attack.sends is not None else {}
             data = {i: attack.data for i in bad} if attack.data is not None else {}
-            check = SenderCheck() if aggregation.endswith(CHECKED) else None
-            loss = run_diloco(setup, local_steps, aggregation=aggregation.removesuffix(CHECKED), attacks=sends,
+            check = SenderCheck() if checks_senders(aggregation) else None
+            loss = run_diloco(setup, local_steps, aggregation=rule_of(aggregation), attacks=sends,
                               data_attacks=data, observe=seen, admit=acting_check(check) if check else None)
             rows[aggregation][name] = loss
             if check is not None:

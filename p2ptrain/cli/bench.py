@@ -9,6 +9,7 @@ import sys
 import click
 
 from p2ptrain.cli.options import BadInput
+from p2ptrain.config import AGGREGATION_NAMES
 
 
 def _streaming_schedule(text: str) -> tuple:
@@ -79,7 +80,7 @@ def _streaming_schedule(text: str) -> tuple:
 @click.option("--attackers", type=click.IntRange(min=1), default=1, show_default=True,
               help="--attack: how many of the --peers replicas attack, colluding (the same direction).")
 @click.option("--aggregation", "aggregations", multiple=True, default=["mean", "clip", "trim"], show_default=True,
-              type=click.Choice(["mean", "clip", "trim", "mean+check", "clip+check", "trim+check"]),
+              type=click.Choice(AGGREGATION_NAMES),
               help="--attack: the reducers' rules to compare (repeatable); R+check: R with the sender check acting "
                    "(a sender it convicts is left out of the rounds after).")
 @click.option("--straggler-misses", "straggler_misses", type=click.IntRange(min=2), default=None,

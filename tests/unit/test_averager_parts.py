@@ -150,7 +150,7 @@ def test_peer_lists_are_cut_whole_and_the_schema_names_what_a_group_must_share()
     others = {schema_hash(tensors, "fp32", 128, "mean"), schema_hash(tensors, "fp16", 128, "clip"),
               schema_hash([torch.zeros(6)], "fp16", 128, "mean"), schema_hash(tensors, "sparse", 64, "mean"),
               schema_hash(tensors, "sparse", 128, "mean")}
-    assert base not in others and len(others) == 5 and PROTOCOL_VERSION == 11
+    assert base not in others and len(others) == 5 and PROTOCOL_VERSION == 12
 
 
 # ------------------------------------------------------------------------------------------------- audits

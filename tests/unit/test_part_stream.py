@@ -59,7 +59,7 @@ def a_part(**fields) -> averaging_pb2.AveragingData:
 
 def test_the_bytes_of_a_hello_and_a_frame_stay_the_same():
     """A deliberate change of these bytes is a new protocol version (averaging/round.py's PROTOCOL_VERSION)."""
-    assert hello(b"gid") == b"p2ptpart" + (11).to_bytes(2, "little") + (3).to_bytes(2, "little") + b"gid"
+    assert hello(b"gid") == b"p2ptpart" + (12).to_bytes(2, "little") + (3).to_bytes(2, "little") + b"gid"
     head, payload = message_frame(a_part())
     assert payload == bytes(range(8))
     meta = head[FRAME.size:]
@@ -105,12 +105,12 @@ def test_a_part_goes_out_from_its_tensor_s_memory_in_the_same_bytes_as_the_messa
 
 def test_a_hello_of_another_version_or_kind_is_refused_in_words():
     assert read_hello_of(hello(b"group")) == b"group"
-    with pytest.raises(PartStreamError, match="stream version 10, this peer 11: run the same p2ptrain version"):
-        read_hello_of(hello(b"group", version=10))
+    with pytest.raises(PartStreamError, match="stream version 11, this peer 12: run the same p2ptrain version"):
+        read_hello_of(hello(b"group", version=11))
     with pytest.raises(PartStreamError, match="does not start with p2ptrain's all-reduce hello"):
         read_hello_of(b"\x01" + bytes(100))
     with pytest.raises(PartStreamError, match="60000-byte group id"):
-        read_hello_of(part_stream.HELLO.pack(part_stream.MAGIC, 11, 60000))
+        read_hello_of(part_stream.HELLO.pack(part_stream.MAGIC, 12, 60000))
 
 
 @pytest.mark.parametrize("header, problem", [
