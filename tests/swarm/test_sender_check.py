@@ -1,9 +1,11 @@
 """The sender check in a real private swarm: 3 honest DiLoCo peers and a key holder that poisons its pseudo-gradient.
 
 Every peer runs ``--aggregation mean+check``: the reducers sign each sender's sums with their receipts, every member
-adds them up and scores the senders after each round (averaging/sender_scores.py). A poisoner must be convicted by
-every honest member in the third round it is flagged in, and left out of every round after; with nobody poisoning,
-nobody is convicted and every round averages the whole group.
+adds them up and scores the senders after each round (averaging/sender_scores.py). A poisoner (x5, a sign flip at
+its own norm, a fixed direction at 5x, or training on another task than the swarm's) must be convicted by every
+honest member in the third round it is flagged in, and left out of every round after; with nobody poisoning, nobody
+is convicted and every round averages the whole group. A small drift or a stale pseudo-gradient is not caught
+(docs/security.md, "Catching a poisoning sender").
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ LOCAL_STEPS, OUTER_STEPS = 3, 5
 CONVICTED_IN = 3
 """the sender check convicts in the third round in a row a sender is flagged in (sender_check.ROUNDS)"""
 
-POISONS = {"x5": PLAUSIBLE_POISONS["x5"], "flip": lambda b: -b}
+POISONS = {"x5": PLAUSIBLE_POISONS["x5"], "flip": lambda b: -b, "direction": PLAUSIBLE_POISONS["direction"],
+           "wrong-data": lambda b: b}
+"""what the poisoner sends of its pseudo-gradient; "wrong-data" sends it as it is, but learns another map than the
+swarm's (``OTHER_TEACHER``): it trains on other data than its shard"""
+OTHER_TEACHER = torch.randn(16, 4, generator=torch.Generator().manual_seed(8))
 
 
 class Poisoner(PlausiblePoisoner):
@@ -64,7 +70,8 @@ def train(dhts, poison=None):
                 if opts[i].outer_step >= OUTER_STEPS or (i not in honest and done.is_set()):
                     break
                 x = torch.randn(8, 16, generator=gen)
-                y = x @ TEACHER + 0.1 * torch.randn(8, 4, generator=gen)
+                teacher = OTHER_TEACHER if poison == "wrong-data" and i not in honest else TEACHER
+                y = x @ teacher + 0.1 * torch.randn(8, 4, generator=gen)
                 torch.nn.functional.mse_loss(models[i](x), y).backward()
                 opts[i].step()
                 opts[i].zero_grad()
