@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
+from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import PeerID
@@ -32,8 +33,16 @@ class Admission:
             return "it does not hold this swarm's key (--swarm-key)"
         return ""
 
-    def check_members(self, group_info: GroupInfo, me: PeerID) -> None:
-        """A leader we do not know may have put anyone in the group: every member must be admitted by us too."""
+    def check_members(self, group_info: GroupInfo, me: PeerID, step: Optional[StepControl] = None) -> None:
+        """A leader we do not know may have put anyone in the group: every member must be admitted by us too. And it
+        relays what each member sent in its join request: ours (``step``'s) must come back as we sent it. A leader
+        that changed it (our weight, our steps: the sender check scales our norm by them) cannot be named by us
+        (hivemind's group does not say who led it); we leave the group."""
+        if step is not None and me in group_info.peer_ids and \
+                group_info.gathered[group_info.peer_ids.index(me)] != step.data_for_gather:
+            logger.warning(f"left a group of {len(group_info.peer_ids)} whose leader changed what this peer sent in "
+                           "its join request (its weight, steps or token)")
+            raise MatchmakingException("the group's leader changed this peer's join data")
         for peer_id, gathered in zip(group_info.peer_ids, group_info.gathered):
             refusal = self.refusal(peer_id, gathered) if peer_id != me else ""
             if refusal:

@@ -327,8 +327,8 @@ class PseudoGradientAverager(DecentralizedAverager):
         self.wait_until_ready(timeout_s)
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs) -> RoundResult:
-        self.admission.check_members(group_info, self.peer_id)  # before the round counts as started: a refused
-        self.admission.check_contributors(group_info)  # group is no round
+        self.admission.check_members(group_info, self.peer_id, self._running_step)  # before the round counts as
+        self.admission.check_contributors(group_info)  # started: a refused group is no round
         started = time.perf_counter()
         try:
             gathered, download_bandwidths = read_gathered(self.serializer, group_info)

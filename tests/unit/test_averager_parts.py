@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+from types import SimpleNamespace
 from typing import Dict, List
 
 import pytest
@@ -96,6 +97,22 @@ def test_admission_refuses_the_excluded_and_those_without_the_key_and_groups_wit
     with pytest.raises(MatchmakingException, match="weight 0"):
         admission.check_contributors(idle)
     admission.check_contributors(GroupInfo(b"g", (peer(1), peer(2)), (join_entry({"weight": 0}), join_entry({}))))
+
+
+def test_a_member_leaves_a_group_whose_leader_changed_what_it_sent():
+    """The leader relays each member's join data; the sender check scales a member's norm by the steps it claims
+    there, so a leader that raised them could frame it. Our entry must come back as we sent it."""
+    bans, banned = Bans(), []
+    admission = Admission(PRIVATE, bans, SERIALIZER, lambda p, why: banned.append(p))
+    token = {"admission": PRIVATE.token(peer(1)), "weight": 8.0}
+    sent = join_entry({**token, "norm_scale": 1.0})
+    step = SimpleNamespace(data_for_gather=sent)  # the StepControl's field that check_members reads
+    others = join_entry({"admission": PRIVATE.token(peer(2))})
+    admission.check_members(GroupInfo(b"g", (peer(2), peer(1)), (others, sent)), me=peer(1), step=step)
+    changed = GroupInfo(b"g", (peer(2), peer(1)), (others, join_entry({**token, "norm_scale": 1000.0})))
+    with pytest.raises(MatchmakingException, match="changed this peer's join data"):
+        admission.check_members(changed, me=peer(1), step=step)
+    assert banned == []  # nobody can be named: the group does not say who led it
 
 
 # ------------------------------------------------------------------------------------------ plan and report
