@@ -6,7 +6,8 @@
 
 Each peer is its own process with its own DHT (and p2pd), a model (a built-in size, a Hugging Face folder with a
 config.json, or ``package.module:factory``) and a ``DiLoCoOptimizer``, on 127.0.0.1. Between syncs every peer nudges
-its parameters with fresh noise (a pseudo-gradient of realistic bits and size, no training), then all peers sync at
+its parameters with fresh noise (a pseudo-gradient of realistic bits and size, no training: one direction the peers
+share that sync plus each one's own, as peers learning one task have), then all peers sync at
 once (a barrier), so each sync's seconds are the sync alone. ``--peers 1`` times a lone peer's sync: no all-reduce,
 only the fixed costs around it. Each sync's time is split into its phases (see
 ``SyncRecord.phases``): publish, plan, pseudo_gradient, matchmaking, allreduce, outer_step, digest, record, and
@@ -19,6 +20,9 @@ of a language model (the shape the anchors' side by side used); ``--defaults`` l
 optimizer's defaults, as a user's peer has them.
 
     python benchmarks/bench_sync.py --mlp 10 --peers 3 --rate-mbit 100 --defaults --syncs 5 --no-ceiling
+
+``--aggregation mean mean+check`` compares reducers' rules, here the sender check's cost (its sums at the reducers,
+the scores at every member) against the plain mean.
 
 The transport ceiling is measured first with the same number of processes: each opens a raw hivemind P2P stream to
 every other peer (p2pd to p2pd, as the all-reduce's streams go) and writes 1 MiB chunks while it reads the streams
@@ -226,7 +230,7 @@ def _sync_peer(index: int, args: dict, maddrs, barrier, results) -> None:
         group = dict(target_group_size=None if sparse else args["peers"],
                      min_group_size=max(args["peers"], 1) if sparse else 2, matchmaking_time_s=5.0,
                      averaging_timeout_s=600.0)
-    settings = DiLoCoConfig(compression=args["compression"], **group)
+    settings = DiLoCoConfig(compression=args["compression"], aggregation=args.get("aggregation", "mean"), **group)
     opt = DiLoCoOptimizer(
         model.parameters(), dht=dht, run_id="bench-sync", local_steps=1,
         inner_optimizer=partial(torch.optim.SGD, lr=0.0),
@@ -237,9 +241,11 @@ def _sync_peer(index: int, args: dict, maddrs, barrier, results) -> None:
     cpu: List[float] = []  # CPU seconds of this peer's processes per sync, from the second on
     try:
         for k in range(args["syncs"]):
-            with torch.no_grad():
+            with torch.no_grad():  # one direction all peers share this sync, plus each one's own noise
+                shared = torch.Generator(device=device).manual_seed(k)
                 for p in model.parameters():
-                    p.add_(torch.randn_like(p), alpha=1e-3)
+                    p.add_(torch.randn(p.shape, generator=shared, device=device), alpha=7e-4)
+                    p.add_(torch.randn_like(p), alpha=7e-4)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             barrier.wait()
@@ -323,6 +329,7 @@ def summarize(peers: List[dict], ceiling: Optional[float], skip_first: bool, rat
         cores_busy=sum(statistics.mean(p["cpu"]) for p in peers if p["cpu"]) / seconds if seconds else 0.0,
         rss_added_mb=max(p["rss_peak"] - p["rss_before"] for p in peers) / 1e6,
         # audits (averaging/audit.py): parts recomputed and bytes fetched for them, per peer per sync (all syncs)
+        cpu_s=mean([statistics.mean(p["cpu"]) for p in peers if p["cpu"]]),  # per peer per sync, all processes
         audited_parts=mean([p["audits"]["parts"] / len(p["records"]) for p in peers]),
         audit_bytes=mean([p["audits"]["bytes"] / len(p["records"]) for p in peers]),
     )
@@ -332,7 +339,8 @@ def print_table(rows: List[dict]) -> None:
     head = ["codec", "peers", "sync s", *PHASES, "non-wire s", "AR MB/s", "ceiling", "of ceil", "+RSS MB"]
     print(" | ".join(head))
     for row in rows:
-        cells = [row["compression"], str(row["peers"]), f"{row['seconds']:.3f}", *(f"{row['split'][p]:.3f}" for p in PHASES),
+        codec = row["compression"] + (f" {row['aggregation']}" if row.get("aggregation", "mean") != "mean" else "")
+        cells = [codec, str(row["peers"]), f"{row['seconds']:.3f}", *(f"{row['split'][p]:.3f}" for p in PHASES),
                  f"{row['non_wire_s']:.3f}", f"{row['allreduce_mb_s']:.0f}",
                  f"{row['ceiling_mb_s']:.0f}" if row["ceiling_mb_s"] else "-",
                  f"{row['of_ceiling']:.0%}" if row["of_ceiling"] else "-", f"{row['rss_added_mb']:.0f}"]
@@ -351,7 +359,7 @@ def print_table(rows: List[dict]) -> None:
               f"{row['bytes_moved'] / 1e6:.1f} MB; sent {row['bytes_sent'] / 1e6:.1f} MB = {row['of_butterfly']:.3f}x the "
               f"butterfly bound; "
               f"groups {row['group_sizes']}; digests agree: {row['digests_agree']}; cores busy during a sync "
-              f"{row['cores_busy']:.2f} of {os.cpu_count()}; audits: {row['audited_parts']:.1f} parts and "
+              f"{row['cores_busy']:.2f} of {os.cpu_count()} ({row['cpu_s']:.2f} CPU s per peer per sync); audits: {row['audited_parts']:.1f} parts and "
               f"{row['audit_bytes'] / 1e6:.2f} MB fetched per peer per sync "
               f"({row['audit_bytes'] / max(row['bytes_moved'], 1):.1%} of the bytes moved)")
 
@@ -401,6 +409,8 @@ def main() -> None:
     parser.add_argument("--mlp", type=float, help="average a plain MLP of about this many million parameters")
     parser.add_argument("--rate-mbit", type=float, help="each peer in a namespace with this link rate (root)")
     parser.add_argument("--defaults", action="store_true", help="the optimizer's default group settings")
+    parser.add_argument("--aggregation", nargs="+", default=["mean"],
+                        help="reducers' rules to compare (mean, trim, mean+check: the sender check, ...)")
     args = parser.parse_args()
     if args.rate_mbit is not None and args.rate_mbit <= 0:
         parser.error("--rate-mbit: a positive rate in Mbit/s")
@@ -430,7 +440,7 @@ def main() -> None:
     model = f"mlp-{args.mlp:g}M" if args.mlp else args.model
     rows, ceilings = [], {}
     try:
-        for compression in args.compression:
+        for compression, aggregation in [(c, a) for c in args.compression for a in args.aggregation]:
             for peers in args.peers:
                 if peers not in ceilings:
                     ceilings[peers] = (None if args.no_ceiling or peers == 1 else
@@ -438,9 +448,11 @@ def main() -> None:
                     if ceilings[peers]:
                         print(f"transport ceiling, {peers} peers: {ceilings[peers]:.0f} MB/s sent+received per peer",
                               flush=True)
-                results = run_syncs(dict(vars(args), peers=peers, compression=compression, **net))
+                results = run_syncs(dict(vars(args), peers=peers, compression=compression, aggregation=aggregation,
+                                         **net))
                 rows.append(summarize(results, ceilings[peers], skip_first=args.syncs > 1, rate_mbit=args.rate_mbit))
-                rows[-1].update(model=model, compression=compression, device=args.device, raw=results)
+                rows[-1].update(model=model, compression=compression, aggregation=aggregation, device=args.device,
+                                raw=results)
                 print_table(rows[-1:])
     finally:
         if net:
