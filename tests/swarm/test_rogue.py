@@ -833,6 +833,28 @@ class PlausiblePoisoner(DiLoCoOptimizer):
         self._contribution.fill_pseudo_gradient = fill_pseudo_gradient
 
 
+_POISON_RUNS = {}
+"""(aggregation, rogue class, poison) -> a run of ``poison_run``: the same swarm's run serves every test that needs it
+(the honest peers alone, the mean's run of a poison), each one 3-4 peers' worth of seconds"""
+
+
+def poison_run(swarm_key, aggregation: str = "mean", kind=None, poison: Optional[str] = None):
+    """3 honest peers learning one linear map (``teacher``), and a ``kind`` rogue sending ``poison`` if any, in
+    groups of all of them: the final parameters (the rogue's first) and histories."""
+    key = (aggregation, kind, poison)
+    if key not in _POISON_RUNS:
+        if kind is not None:
+            kind.poison = poison
+        dhts = honest_swarm(swarm_key, 4 if kind else 3)
+        try:
+            _POISON_RUNS[key] = train(dhts, target_group_size=len(dhts), aggregation=aggregation,
+                                      classes=[kind] if kind else [], teacher=True)
+        finally:
+            for dht in dhts:
+                stop_dht(dht)
+    return _POISON_RUNS[key]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("poison", sorted(PLAUSIBLE_POISONS))
 def test_centered_clipping_bounds_plausible_poison_that_the_mean_takes_in(swarm_key, poison):
@@ -840,23 +862,13 @@ def test_centered_clipping_bounds_plausible_poison_that_the_mean_takes_in(swarm_
     plain mean it drags the honest peers far from where the 3 of them end alone; under --aggregation clip it moves
     them a fraction of that. Every round still averages the 4 of them, and the honest peers stay bit-identical to
     each other."""
-    def run(aggregation, rogue):
-        dhts = honest_swarm(swarm_key, 4 if rogue else 3)
-        try:
-            return train(dhts, target_group_size=len(dhts), aggregation=aggregation,
-                         classes=[PlausiblePoisoner] if rogue else [], teacher=True)
-        finally:
-            for dht in dhts:
-                stop_dht(dht)
-
     def flat(params):
         return torch.cat([p.flatten() for p in params])
 
-    PlausiblePoisoner.poison = poison
-    reference, _ = run("mean", rogue=False)
+    reference, _ = poison_run(swarm_key)
     distances = {}
     for aggregation in ("mean", "clip"):
-        params, histories = run(aggregation, rogue=True)
+        params, histories = poison_run(swarm_key, aggregation, PlausiblePoisoner, poison)
         honest_params = params[1:]  # peer 0 is the rogue
         for other in honest_params[1:]:
             assert all(torch.equal(a, b) for a, b in zip(other, honest_params[0])), "honest peers differ"
@@ -883,22 +895,13 @@ def test_a_claimed_weight_counts_at_most_twice_the_median_under_the_mean(swarm_k
     """Under the plain mean, a poisoner claiming 10^6x the samples made the group's average its own pseudo-gradient.
     Its weight now counts 2x the median claim: it moves the honest peers about as far as the same poison at 2x the
     honest weight (share 2/5 against 1/4 at its own weight), not 4x as far."""
-    def run(kind):
-        dhts = honest_swarm(swarm_key, 4 if kind else 3)
-        try:
-            return train(dhts, target_group_size=len(dhts), classes=[kind] if kind else [], teacher=True)
-        finally:
-            for dht in dhts:
-                stop_dht(dht)
-
     def distance(params):
         return float(torch.linalg.vector_norm(torch.cat([p.flatten() for p in params[1]]) -
                                               torch.cat([p.flatten() for p in reference[0]])))
 
-    PlausiblePoisoner.poison = "flip_x5"
-    reference, _ = run(None)
-    plain, _ = run(PlausiblePoisoner)
-    inflated, histories = run(WeightInflater)
+    reference, _ = poison_run(swarm_key)
+    plain, _ = poison_run(swarm_key, "mean", PlausiblePoisoner, "flip_x5")
+    inflated, histories = poison_run(swarm_key, "mean", WeightInflater, "flip_x5")
     for history in histories:
         assert all(r.group_size == 4 and r.averaged for r in history), history
     COSTS["with key: x-5 poison claiming 1e6x the samples, 1 of 4 (mean)"] = dict(
