@@ -155,6 +155,13 @@ def honest_swarm(swarm_key, peers: int = 2):
 TEACHER = torch.randn(16, 4, generator=torch.Generator().manual_seed(7))
 
 
+def learn_step(model: torch.nn.Module, opt: DiLoCoOptimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One inner step of a peer learning y from x."""
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def train(dhts, *, before_rounds=None, target_group_size: int = 2, model=make_model, aggregation: str = "mean",
           classes=(), teacher: bool = False, after_rounds=None, to_outer_step: bool = False):
     """Train one DiLoCoOptimizer per DHT, each in its own thread, on fixed data; returns the final parameters and
@@ -180,10 +187,7 @@ def train(dhts, *, before_rounds=None, target_group_size: int = 2, model=make_mo
                 if to_outer_step and opts[i].outer_step >= OUTER_STEPS:
                     break  # a peer that took the state skipped inner steps: it is done at the same outer step
                 x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
-                y = x @ TEACHER + 0.1 * y if teacher else y
-                torch.nn.functional.mse_loss(models[i](x), y).backward()
-                opts[i].step()
-                opts[i].zero_grad()
+                learn_step(models[i], opts[i], x, x @ TEACHER + 0.1 * y if teacher else y)
         except BaseException as e:
             errors.append(e)
 

@@ -21,7 +21,7 @@ from p2ptrain.config import DiLoCoConfig
 from p2ptrain.diloco.options import DiLoCoOptions
 from p2ptrain.swarm.dht import stop_dht
 from tests.swarm.test_rogue import (INNER, OUTER, PLAUSIBLE_POISONS, RUN, TEACHER, PlausiblePoisoner, honest_swarm,
-                                    logs_to_stderr, make_deeper_model, swarm_key)
+                                    learn_step, logs_to_stderr, make_deeper_model, swarm_key)
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
@@ -71,10 +71,7 @@ def train(dhts, poison=None):
                     break
                 x = torch.randn(8, 16, generator=gen)
                 teacher = OTHER_TEACHER if poison == "wrong-data" and i not in honest else TEACHER
-                y = x @ teacher + 0.1 * torch.randn(8, 4, generator=gen)
-                torch.nn.functional.mse_loss(models[i](x), y).backward()
-                opts[i].step()
-                opts[i].zero_grad()
+                learn_step(models[i], opts[i], x, x @ teacher + 0.1 * torch.randn(8, 4, generator=gen))
         except BaseException as e:
             errors.append(e)
 
