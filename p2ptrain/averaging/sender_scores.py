@@ -24,6 +24,7 @@ claim, and claiming fewer steps only makes its scaled norm larger.
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, Dict, Sequence
 
 from hivemind.p2p import PeerID
@@ -43,20 +44,24 @@ STEPS_POWER = 0.75
 
 
 class RoundSums:
-    """One round's sums of every sender, added up from every part's receipt (the other reducers' and ours)."""
+    """One round's sums of every sender, added up from every part's receipt: the other reducers' (checked in the
+    event loop) and ours (signed in the runner's executor threads), hence the lock."""
 
     def __init__(self, senders: int) -> None:
         self.sums = RangeSums([0.0] * senders, [0.0] * senders, [0.0] * senders)
         self.parts_in = [0] * senders  # parts whose receipt counts the sender's part in, with a weight above 0
         self.parts = 0
+        self._lock = threading.Lock()
 
     def add(self, receipt: p2ptrain_pb2.Receipt) -> None:
         """One part's receipt (checked: one sum per sender, finite)."""
-        self.parts += 1
-        for i, (committed, weight) in enumerate(zip(receipt.commitments, receipt.weights)):
-            if committed and weight > 0:
-                self.parts_in[i] += 1
-        self.sums = self.sums + RangeSums(list(receipt.dots), list(receipt.squares), list(receipt.median_squares))
+        part = RangeSums(list(receipt.dots), list(receipt.squares), list(receipt.median_squares))
+        with self._lock:
+            self.parts += 1
+            for i, (committed, weight) in enumerate(zip(receipt.commitments, receipt.weights)):
+                if committed and weight > 0:
+                    self.parts_in[i] += 1
+            self.sums = self.sums + part
 
     def scores(self, senders: Sequence[str], norm_scales: Sequence[float], total_parts: int) -> Dict[str, Score]:
         """The scores of the senders in every one of the round's ``total_parts`` parts (none if some part's sums

@@ -4,6 +4,7 @@ member adds up and convicts, what a sender refuses and what an audit convicts of
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -82,6 +83,19 @@ def test_only_senders_in_every_part_with_a_weight_are_scored():
     partly.add(reduce_part([v[:300] for v in vectors], [8.0] * 5)[0])
     partly.add(reduce_part([v[300:] for v in vectors], [8.0] * 5, left_out=(2,))[0])  # it failed on that part
     assert list(partly.scores(ids, [1.0] * 5, 2)) == [ids[0], ids[1], ids[3], ids[4]]
+
+
+def test_receipts_added_from_two_threads_at_once_are_all_counted():
+    """A member adds its own range's receipts in the runner's executor threads, the others' in the event loop."""
+    receipt, _ = reduce_part(pseudo_gradients(4, 64, seed=5), [1.0] * 4)
+    sums = RoundSums(4)
+    threads = [threading.Thread(target=lambda: [sums.add(receipt) for _ in range(2000)]) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sums.parts == 8000 and sums.parts_in == [8000] * 4
+    assert sums.sums.squares[0] == pytest.approx(8000 * receipt.squares[0])
 
 
 def test_a_sender_with_fewer_steps_is_scored_at_its_steps():
