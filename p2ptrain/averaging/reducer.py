@@ -10,7 +10,7 @@ import math
 import torch
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 
-from p2ptrain.averaging.robust import checks_senders, robust_aggregate
+from p2ptrain.averaging.robust import checks_senders, robust_aggregate, rule_of
 from p2ptrain.sender_check import RangeSums, partial
 
 
@@ -22,9 +22,10 @@ class Reducer(TensorPartReducer):
     contributor to a range has failed, the rest of that range is theirs alone; every member then gets the same zeros,
     and no honest reducer looks like a poisoner.
 
-    With an ``aggregation`` other than "mean" (``robust.py``) it keeps every sender's part of the current part instead
-    of a running sum, and answers their robust aggregate once all have come, in the senders' order in the group (the
-    same order whatever order they arrive in).
+    With a rule other than "mean" (``robust.py``) it keeps every sender's part of the current part instead of a
+    running sum, and answers their robust aggregate once all have come, in the senders' order in the group (the same
+    order whatever order they arrive in). Under the sender check ("mean+check") it adds them as they come and keeps
+    them too, for their sums.
 
     It records which senders' parts went into each part's average (``included_by_part``), for the receipt the
     runner signs with it (audit.py), and under an aggregation that checks senders each sender's sums over the part
@@ -70,10 +71,10 @@ class Reducer(TensorPartReducer):
         assert part_index == self.current_part_index
         current_part_future = self.current_part_future
         if part_index < self.sender_failed_after[sender_index]:
-            if self.aggregation == "mean":
+            if rule_of(self.aggregation) == "mean":  # added as it comes (the sender check keeps it for its sums)
                 self.accumulator.add_(tensor_part, alpha=weight)
                 self.denominator += weight
-            else:
+            if self.aggregation != "mean":
                 self.contributions[sender_index] = (tensor_part, weight)
             self.current_included.append(sender_index)
             self.current_part_accumulated_from += 1
@@ -83,10 +84,10 @@ class Reducer(TensorPartReducer):
     def check_current_part_finished(self):
         if self.current_part_accumulated_from == self.num_current_senders:
             self.included_by_part[self.current_part_index] = sorted(self.current_included)
-        if self.aggregation != "mean" and self.current_part_accumulated_from == self.num_current_senders:
+        if checks_senders(self.aggregation) and self.current_part_accumulated_from == self.num_current_senders:
+            self.sums_by_part[self.current_part_index] = self._sender_sums()
+        if rule_of(self.aggregation) != "mean" and self.current_part_accumulated_from == self.num_current_senders:
             ordered = [self.contributions[i] for i in sorted(self.contributions)]
-            if checks_senders(self.aggregation):
-                self.sums_by_part[self.current_part_index] = self._sender_sums()
             if ordered:
                 self.accumulator = robust_aggregate([part for part, _ in ordered], [w for _, w in ordered],
                                                     self.aggregation)

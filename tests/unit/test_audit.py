@@ -106,7 +106,7 @@ def test_the_signature_binds_the_receipt_and_the_average(signer):
     assert verified_receipt(reducer, GROUP, 3, b"", average) is None
 
 
-@pytest.mark.parametrize("aggregation", ["mean", "clip", "trim"])
+@pytest.mark.parametrize("aggregation", ["mean", "clip", "trim", "mean+check", "trim+check"])
 def test_an_honest_average_passes_its_audit_whatever_the_arrival_order(aggregation):
     serialized, values, commitments = honest_inputs(5)
     weights = [8.0, 8.0, 8.0, 24.0, 0.0]
