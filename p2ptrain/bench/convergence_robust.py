@@ -35,7 +35,7 @@ import torch
 
 from p2ptrain.averaging.robust import checks_senders, rule_of
 from p2ptrain.bench.convergence import Setup, run_diloco
-from p2ptrain.sender_check import SenderCheck, round_scores
+from p2ptrain.sender_check import COSINE_FLOOR, NORM_BOUND, ROUNDS, SenderCheck, round_scores
 
 DIRECTION_SCALE = 5.0
 DRIFT_SCALE = 0.2
@@ -219,9 +219,10 @@ def scores_table(scores: Dict[str, Dict[str, dict]], conditions: List[str]) -> L
 
 def convictions_table(convictions: Dict[str, Dict[str, dict]], conditions: List[str]) -> List[str]:
     """Per checked aggregation and attack: the round each attacker was convicted in, and any honest sender convicted."""
-    lines = ["The sender check acting (`sender_check.py`: flagged when its cosine is below 0.6 of the others' median "
-             "cosine or its norm beyond 2x theirs, convicted when flagged 3 rounds in a row, left out after): the "
-             "round each attacker was convicted in (- never), honest senders convicted, flags raised:", ""]
+    lines = [f"The sender check acting (`sender_check.py`: flagged when its cosine is below {COSINE_FLOOR} of the "
+             f"others' median cosine or its norm beyond {NORM_BOUND:g}x theirs, convicted when flagged {ROUNDS} rounds "
+             "in a row, left out after): the round each attacker was convicted in (- never), honest senders "
+             "convicted, flags raised:", ""]
 
     def cell(run: dict) -> str:
         caught = ", ".join("-" if r is None else str(r) for r in run["attackers"]) or "n/a"
