@@ -19,7 +19,9 @@ A sender's norm is compared after scaling by its ``norm_scale`` (H / its inner s
 sends in its gathered data) to the power ``STEPS_POWER``: a slower peer with adaptive inner steps, or a newcomer
 that joined mid-phase, takes fewer steps and sends a smaller pseudo-gradient (between linear and square-root in the
 steps); the power puts both ends within 2x for a peer with 1/16 of the steps or more. The scale is the sender's own
-claim, and claiming fewer steps only makes its scaled norm larger.
+claim, and claiming fewer steps only makes its scaled norm larger. The group's leader relays every member's claim;
+each member leaves a group in which its own is not what it sent (``Admission.check_members``), so a rogue leader
+cannot raise an honest member's claim to frame it.
 """
 
 from __future__ import annotations
