@@ -105,6 +105,19 @@ def partial(parts: Sequence[torch.Tensor]) -> RangeSums:
     return RangeSums(dots.tolist(), squares.tolist(), median_squares.tolist())
 
 
+def weighed_partial(parts: Sequence[Optional[torch.Tensor]], weights: Sequence[float]) -> RangeSums:
+    """``partial`` over the senders whose part is there (not None) with a weight above 0, in the senders' order; 0
+    for every other sender (a newcomer's zeros, a part left out of the average), and for all with fewer than 2. What a
+    reducer signs of each part, and what an auditor recomputes."""
+    scored = [i for i, (part, weight) in enumerate(zip(parts, weights)) if part is not None and weight > 0]
+    sums = RangeSums([0.0] * len(parts), [0.0] * len(parts), [0.0] * len(parts))
+    if len(scored) >= 2:
+        part = partial([parts[i] for i in scored])
+        for i, dot, square, median_square in zip(scored, part.dots, part.squares, part.median_squares):
+            sums.dots[i], sums.squares[i], sums.median_squares[i] = dot, square, median_square
+    return sums
+
+
 def scores_of(sums: RangeSums) -> List[Score]:
     """Every sender's score from the sums over all ranges."""
     norms = [math.sqrt(s) for s in sums.squares]

@@ -50,7 +50,7 @@ from p2ptrain.averaging.kept_inputs import SpilledInputs, inputs_nbytes, spill
 from p2ptrain.averaging.robust import AGGREGATIONS, checks_senders, robust_aggregate
 from p2ptrain.finite import all_finite
 from p2ptrain.proto import p2ptrain_pb2
-from p2ptrain.sender_check import RangeSums, partial
+from p2ptrain.sender_check import RangeSums, weighed_partial
 
 logger = get_logger(__name__)
 
@@ -101,10 +101,10 @@ def commitment_of(serialized: bytes) -> bytes:
         return b""
 
 
-def make_receipt(entries: Sequence[Optional[Tuple[bytes, float]]], weight_cap: float, aggregation: str,
-                 sums: Optional[RangeSums] = None) -> bytes:
-    """The serialized ``Receipt`` of one part: ``entries[i]`` is sender i's (commitment, weight), None if its part is
-    not in the average; ``sums``: the senders' sums over it, under an aggregation that checks senders."""
+def receipt_message(entries: Sequence[Optional[Tuple[bytes, float]]], weight_cap: float, aggregation: str,
+               sums: Optional[RangeSums] = None) -> p2ptrain_pb2.Receipt:
+    """The ``Receipt`` of one part: ``entries[i]`` is sender i's (commitment, weight), None if its part is not in the
+    average; ``sums``: the senders' sums over it, under an aggregation that checks senders."""
     receipt = p2ptrain_pb2.Receipt(commitments=[e[0] if e else b"" for e in entries],
                                    weights=[e[1] if e else 0.0 for e in entries], weight_cap=weight_cap,
                                    aggregation=aggregation)
@@ -112,7 +112,13 @@ def make_receipt(entries: Sequence[Optional[Tuple[bytes, float]]], weight_cap: f
         receipt.dots.extend(sums.dots)
         receipt.squares.extend(sums.squares)
         receipt.median_squares.extend(sums.median_squares)
-    return receipt.SerializeToString()
+    return receipt
+
+
+def make_receipt(entries: Sequence[Optional[Tuple[bytes, float]]], weight_cap: float, aggregation: str,
+                 sums: Optional[RangeSums] = None) -> bytes:
+    """``receipt_message``, serialized."""
+    return receipt_message(entries, weight_cap, aggregation, sums).SerializeToString()
 
 
 def check_receipt(receipt: p2ptrain_pb2.Receipt, *, senders: int, me: int, sent: bytes, weight: float,
@@ -185,12 +191,8 @@ def sums_verdict(receipt: p2ptrain_pb2.Receipt, inputs: Sequence[bytes], codec: 
     products are summed in float64 in another order)."""
     if not len(receipt.dots) == len(receipt.squares) == len(receipt.median_squares) == len(inputs):
         return ""  # honest members refuse such a receipt (check_receipt): it is no proof of false sums
-    scored = [i for i, (given, weight) in enumerate(zip(inputs, receipt.weights)) if given and weight > 0]
-    expected = RangeSums(*([0.0] * len(inputs) for _ in range(3)))
-    if len(scored) >= 2:
-        part = partial([codec.extract(runtime_pb2.Tensor.FromString(inputs[i])) for i in scored])
-        for i, dot, square, median_square in zip(scored, part.dots, part.squares, part.median_squares):
-            expected.dots[i], expected.squares[i], expected.median_squares[i] = dot, square, median_square
+    expected = weighed_partial([codec.extract(runtime_pb2.Tensor.FromString(given)) if given else None
+                                for given in inputs], receipt.weights)
     for i in range(len(inputs)):
         scale = math.sqrt(expected.squares[i] * expected.median_squares[i]) + expected.squares[i] + \
             expected.median_squares[i] + 1e-30

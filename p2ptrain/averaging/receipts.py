@@ -13,11 +13,10 @@ from typing import Dict, Optional
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 
-from p2ptrain.averaging.audit import check_receipt, make_receipt
+from p2ptrain.averaging.audit import check_receipt, receipt_message
 from p2ptrain.averaging.evidence import AverageSigner, verified_receipt
 from p2ptrain.averaging.robust import checks_senders
 from p2ptrain.averaging.sender_scores import RoundSums
-from p2ptrain.proto import p2ptrain_pb2
 from p2ptrain.sender_check import RangeSums
 
 
@@ -45,10 +44,10 @@ class Receipts:
         """As a reducer with a signer: the receipt of what went into this average (the ``included`` senders'
         commitments and weights, and their ``sums`` under the sender check), signed with it."""
         entries = [self._commitments.get((part_index, i)) if i in included else None for i in range(num_senders)]
-        receipt = make_receipt(entries, self._weight_cap, self._aggregation, sums if self.sums is not None else None)
-        self.signatures[part_index] = self.signer.sign(group_id, part_index, receipt, average)
+        receipt = receipt_message(entries, self._weight_cap, self._aggregation, sums)
+        self.signatures[part_index] = self.signer.sign(group_id, part_index, receipt.SerializeToString(), average)
         if self.sums is not None:
-            self.sums.add(p2ptrain_pb2.Receipt.FromString(receipt))
+            self.sums.add(receipt)
 
     def problem(self, reducer: PeerID, group_id: bytes, reducer_index: int, part_index: int,
                 message: averaging_pb2.AveragingData, senders: int, me: int, weight: float) -> str:

@@ -11,7 +11,7 @@ import torch
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 
 from p2ptrain.averaging.robust import checks_senders, robust_aggregate, rule_of
-from p2ptrain.sender_check import RangeSums, partial
+from p2ptrain.sender_check import RangeSums, weighed_partial
 
 
 class Reducer(TensorPartReducer):
@@ -97,14 +97,9 @@ class Reducer(TensorPartReducer):
         super().check_current_part_finished()
 
     def _sender_sums(self) -> RangeSums:
-        """Every sender's sums over the current part (sender_check.partial), over the senders that weigh more than 0."""
-        scored = [i for i in sorted(self.contributions) if self.contributions[i][1] > 0]
-        sums = RangeSums(*([0.0] * self.num_senders for _ in range(3)))
-        if len(scored) >= 2:
-            part = partial([self.contributions[i][0] for i in scored])
-            for i, dot, square, median_square in zip(scored, part.dots, part.squares, part.median_squares):
-                sums.dots[i], sums.squares[i], sums.median_squares[i] = dot, square, median_square
-        return sums
+        """Every sender's sums over the current part (sender_check.weighed_partial of the parts it holds)."""
+        held = [self.contributions.get(i, (None, 0.0)) for i in range(self.num_senders)]
+        return weighed_partial([part for part, _ in held], [weight for _, weight in held])
 
     def part_problem(self, part_index: int, tensor_part: torch.Tensor, weight: float) -> str:
         """Why a sender's part cannot enter this reducer's sums (its index, shape or weight), or an empty string."""
