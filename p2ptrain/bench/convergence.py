@@ -67,7 +67,8 @@ def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
                attacks: Optional[Dict[int, Callable[[List[torch.Tensor]], List[torch.Tensor]]]] = None,
                data_attacks: Optional[Dict[int, Callable[[Iterator], Iterator]]] = None,
                observe: Optional[Callable[[List[List[torch.Tensor]]], None]] = None,
-               admit: Optional[Callable[[List[List[torch.Tensor]]], List[bool]]] = None) -> float:
+               admit: Optional[Callable[[List[List[torch.Tensor]]], List[bool]]] = None,
+               phase_start: Optional[Callable[[list, list, list], None]] = None) -> float:
     """Every replica in this process; the round is p2ptrain.outer's, the one the swarm's optimizer runs. With
     ``fragments`` > 1 or ``overlap_steps`` > 0, Streaming DiLoCo as the swarm runs it (p2ptrain/fragments.py): each
     fragment's pseudo-gradients taken at its launch step, averaged and applied at its apply step, and merged into
@@ -78,10 +79,10 @@ def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
     instead of its pseudo-gradient; ``data_attacks``: replica index -> what that replica makes of its shard's batches
     to train on (the others train honestly on theirs); the loss is the first replica's, an honest one. ``observe``:
     called with every round's pseudo-gradients as sent, one list of tensors per replica; ``admit``: with the same,
-    which of them the round averages (a sender check, ``sender_check.py``; the others are left out)."""
-    shards, held_out = replica_data(setup)
-    if data_attacks:
-        shards = [data_attacks[i](shard) if i in data_attacks else shard for i, shard in enumerate(shards)]
+    which of them the round averages (a sender check, ``sender_check.py``; the others are left out); ``phase_start``:
+    called with the models, inner optimizers and shards (unattacked) at the start of every phase (a replay audit)."""
+    claimed, held_out = replica_data(setup)
+    shards = [data_attacks[i](s) if data_attacks and i in data_attacks else s for i, s in enumerate(claimed)]
     codec = get_compression(compression)
     feedback = compression in ERROR_FEEDBACK_BY_DEFAULT
     models = [build_model(setup.model, seed=setup.seed) for _ in range(setup.peers)]
@@ -93,6 +94,8 @@ def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
                               cfg.merge_alpha)
     alpha = plan.merge_alpha if plan.overlap_steps > 0 else 0.0
     pending: Dict[int, list] = {}  # fragment -> the replicas' pseudo-gradients of it, taken at its launch step
+    if phase_start is not None:
+        phase_start(models, inners, claimed)
     for step in range(1, setup.steps + 1):
         inner_step(models, inners, shards)
         launch = plan.due(step, plan.launch_at)
@@ -123,6 +126,8 @@ def run_diloco(setup: Setup, local_steps: int, compression: str = "fp16",
             for model in models:
                 params = list(model.parameters())
                 merge_([params[t] for t in indices], fragment, alpha)
+            if phase_start is not None:
+                phase_start(models, inners, claimed)
     loss = evaluate(models[0], held_out)
     if evaluate_mean:
         with torch.no_grad():

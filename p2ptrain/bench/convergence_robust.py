@@ -20,7 +20,9 @@ loss is an honest replica's. The reducers' rule is applied wire part by wire par
 Each run also records what a direction check would see of each sender in each round (``sender_scores``): the cosine
 of its pseudo-gradient with the coordinatewise median of the others', and its norm over the median of theirs. An
 aggregation named ``R+check`` runs ``R`` with the sender check acting (``sender_check.SenderCheck``): a sender it
-convicts is left out of every round after; ``convictions`` records who was convicted in which round.
+convicts is left out of every round after; ``convictions`` records who was convicted in which round. With
+``replay_rate``, every run also has the replay check acting (``bench/replay_audit.py``): ``replays`` records whom
+it convicted in which round, the honest replays' largest deviation and the replayed steps over the trained ones.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import torch
 
 from p2ptrain.averaging.robust import checks_senders, rule_of
 from p2ptrain.bench.convergence import Setup, run_diloco
+from p2ptrain.bench.replay_audit import ReplayAudit
+from p2ptrain.replay_check import TOLERANCE
 from p2ptrain.sender_check import COSINE_FLOOR, NORM_BOUND, ROUNDS, SenderCheck, round_scores
 
 DIRECTION_SCALE = 5.0
@@ -43,13 +47,21 @@ DRIFT_SCALE = 0.2
 Sends = Callable[[List[torch.Tensor]], List[torch.Tensor]]
 
 
-def acting_check(check: SenderCheck) -> Callable[[List[List[torch.Tensor]]], List[bool]]:
-    """``run_diloco``'s ``admit``: scores the round's senders not convicted yet, and averages those; one it convicts
-    is left out from the next round on (in a swarm its scores come with the round's results)."""
+Admit = Callable[[List[List[torch.Tensor]]], List[bool]]
+
+
+def acting_check(check: Optional[SenderCheck], before: Optional[Admit] = None) -> Optional[Admit]:
+    """``run_diloco``'s ``admit``: scores the round's senders not convicted yet (nor left out by ``before``), and
+    averages those; one it convicts is left out from the next round on (in a swarm its scores come with the round's
+    results). Without a check, ``before`` alone."""
+    if check is None:
+        return before
 
     def admit(sent: List[List[torch.Tensor]]) -> List[bool]:
         senders = [str(i) for i in range(len(sent))]
         kept = check.admitted(senders)
+        if before is not None:
+            kept = [ours and theirs for ours, theirs in zip(kept, before(sent), strict=True)]
         members = [i for i, ok in enumerate(kept) if ok]
         check.observe(dict(zip([senders[i] for i in members], round_scores([sent[i] for i in members]))))
         return kept
@@ -150,15 +162,16 @@ class SenderScores:
 
 
 def run_robust(setup: Setup, local_steps: int, aggregations: Sequence[str], attacks: Sequence[str], out: Path,
-               echo: Callable[[str], None] = print, attackers: int = 1) -> Path:
-    """Every aggregation x ("none" and each attack), the last ``attackers`` replicas attacking; writes robust.json
-    and robust.md in ``out``."""
+               echo: Callable[[str], None] = print, attackers: int = 1, replay_rate: Optional[float] = None) -> Path:
+    """Every aggregation x ("none" and each attack), the last ``attackers`` replicas attacking, with the replay check
+    at ``replay_rate`` if given; writes robust.json and robust.md in ``out``."""
     if not 1 <= attackers < setup.peers:
         raise ValueError(f"{attackers} attackers among {setup.peers} replicas: give fewer than --peers")
     out.mkdir(parents=True, exist_ok=True)
     rows: Dict[str, Dict[str, float]] = {}
     scores: Dict[str, Dict[str, dict]] = {}
     convictions: Dict[str, Dict[str, dict]] = {}
+    replays: Dict[str, Dict[str, dict]] = {}
     conditions = ["none", *[a for a in attacks if a != "none"]]
     bad = list(range(setup.peers - attackers, setup.peers))
     good = list(range(setup.peers - attackers))
@@ -171,9 +184,14 @@ def run_robust(setup: Setup, local_steps: int, aggregations: Sequence[str], atta
             sends = {i: attack.sends() for i in bad} if attack.sends is not None else {}
             data = {i: attack.data for i in bad} if attack.data is not None else {}
             check = SenderCheck() if checks_senders(aggregation) else None
-            loss = run_diloco(setup, local_steps, aggregation=rule_of(aggregation), attacks=sends,
-                              data_attacks=data, observe=seen, admit=acting_check(check) if check else None)
+            audit = ReplayAudit(setup, local_steps, replay_rate, seed=setup.seed) if replay_rate is not None else None
+            loss = run_diloco(setup, local_steps, aggregation=rule_of(aggregation), attacks=sends, data_attacks=data,
+                              observe=seen, admit=acting_check(check, audit.admit if audit else None),
+                              phase_start=audit.phase_start if audit else None)
             rows[aggregation][name] = loss
+            if audit is not None:
+                replays.setdefault(aggregation, {})[name] = replay_record(audit, good if name != "none" else good + bad,
+                                                                         bad if name != "none" else [])
             if check is not None:
                 honest = {str(i) for i in good} if name != "none" else {str(i) for i in good + bad}
                 convictions.setdefault(aggregation, {})[name] = {
@@ -186,12 +204,40 @@ def run_robust(setup: Setup, local_steps: int, aggregations: Sequence[str], atta
                  f"({time.perf_counter() - started:.0f}s)")
             (out / "robust.json").write_text(json.dumps(
                 {"setup": setup.__dict__, "local_steps": local_steps, "attackers": attackers, "losses": rows,
-                 "sender_scores": scores, "convictions": convictions}, indent=1))
+                 "sender_scores": scores, "convictions": convictions, "replay_rate": replay_rate, "replays": replays},
+                indent=1))
     path = out / "robust.md"
     path.write_text("\n".join(robust_table(rows, conditions, setup, local_steps, attackers)
                               + [""] + scores_table(scores, conditions)
-                              + ([""] + convictions_table(convictions, conditions) if convictions else [])) + "\n")
+                              + ([""] + convictions_table(convictions, conditions) if convictions else [])
+                              + ([""] + replays_table(replays, conditions, replay_rate) if replays else [])) + "\n")
     return path
+
+
+def replay_record(audit: ReplayAudit, honest: Sequence[int], bad: Sequence[int]) -> dict:
+    """One run's replay check: the round each attacker was convicted in (None: never), honest senders convicted,
+    the honest replays' largest deviation, the replays made and their steps over the trained ones."""
+    return {"attackers": [audit.convicted.get(i) for i in bad],
+            "honest": {str(i): audit.convicted[i] for i in honest if i in audit.convicted},
+            "honest_deviation": max((d for i in honest for d in audit.deviations.get(i, [])), default=None),
+            "replays": audit.audits.replayed, "overhead": audit.overhead()}
+
+
+def replays_table(replays: Dict[str, Dict[str, dict]], conditions: List[str], rate: Optional[float]) -> List[str]:
+    """Per aggregation and attack: the round the replay check convicted each attacker in, and what it cost."""
+    lines = [f"The replay check acting (`replay_check.py`: each round each sender replayed with probability {rate:g} "
+             "by another replica; convicted when its pseudo-gradient is more than "
+             f"{TOLERANCE:g} of its norm from the replay, left out from the next round): the round each attacker was "
+             "convicted in (- never), honest senders convicted, the honest replays' largest deviation, the replayed "
+             "inner steps over the trained ones:", ""]
+
+    def cell(run: dict) -> str:
+        caught = ", ".join("-" if r is None else str(r) for r in run["attackers"]) or "n/a"
+        wrong = f"; honest convicted: {', '.join(run['honest'])}" if run["honest"] else ""
+        honest = "-" if run["honest_deviation"] is None else f"{run['honest_deviation']:.1e}"
+        return f"{caught}{wrong} (honest {honest}; {run['overhead']:.0%} replayed)"
+
+    return lines + _grid(replays, conditions, cell)
 
 
 def scores_table(scores: Dict[str, Dict[str, dict]], conditions: List[str]) -> List[str]:

@@ -83,6 +83,10 @@ def _streaming_schedule(text: str) -> tuple:
               type=click.Choice(AGGREGATION_NAMES),
               help="--attack: the reducers' rules to compare (repeatable); R+check: R with the sender check acting "
                    "(a sender it convicts is left out of the rounds after).")
+@click.option("--replay-rate", type=click.FloatRange(min=0.0, max=1.0), default=None,
+              help="--attack: also the replay check acting in every run: each round each sender's phase is replayed "
+                   "with this probability by another replica, and one whose pseudo-gradient is not its replay's is "
+                   "left out from the next round (robust.md says when, and what the replays cost).")
 @click.option("--straggler-misses", "straggler_misses", type=click.IntRange(min=2), default=None,
               help="--convergence: instead, the last of --peers replicas misses every Mth round; what it does with "
                    "the work that missed (discard, fold into its next round) against nobody missing, at the first "
@@ -120,7 +124,8 @@ def _streaming_schedule(text: str) -> tuple:
               help="--soak: inner steps between syncs.")
 def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, batch_size, out, behind_nat, groupings,
           streaming, throttles, cpu_per_peer, solo, loopback, clean_only, convergence_steps, mixing_group_sizes,
-          sparse_ks, attacks, attackers, aggregations, straggler_misses, seeds, no_swarm, scale_peers, scale_local_steps, scale_group_size, scale_timeout, crowd_newcomers,
+          sparse_ks, attacks, attackers, aggregations, replay_rate, straggler_misses, seeds, no_swarm, scale_peers,
+          scale_local_steps, scale_group_size, scale_timeout, crowd_newcomers,
           crowd_trainers, soak_workers, soak_runs, soak_outer_steps, soak_local_steps) -> None:
     """Benchmark real swarms over rate-limited links (one network namespace per peer; root needed, else
     loopback): compute utilization, bytes on the wire, sync seconds against the bandwidth bound, eval loss."""
@@ -142,6 +147,9 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
         if name not in COMPRESSION_CHOICES:
             raise BadInput(f"--compression {name!r} is unknown; use one of: {', '.join(COMPRESSION_CHOICES)}")
     schedules = [_streaming_schedule(text) for text in streaming]
+    if replay_rate is not None and not attacks:
+        raise BadInput("--replay-rate goes with --convergence N --attack A: it is the replay check among the attack "
+                       "suite's replicas")
     if scale_peers:
         from p2ptrain.bench.scale import run_scale
         from p2ptrain.observe import MissingExtra, require
@@ -210,7 +218,7 @@ def bench(models, peers, rates, local_steps, phases, outer_steps, compressions, 
 
             report = run_robust(replace(setup, steps=convergence_steps[0]), (list(local_steps) or [15])[0],
                                 list(dict.fromkeys(aggregations)), list(dict.fromkeys(attacks)), Path(out),
-                                echo=click.echo, attackers=attackers)
+                                echo=click.echo, attackers=attackers, replay_rate=replay_rate)
             click.echo(f"report: {report}")
             return
         report = write_convergence(list(convergence_steps), list(local_steps) or [25, 50], list(compressions), setup,
