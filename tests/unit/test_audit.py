@@ -18,11 +18,11 @@ from p2ptrain.averaging.audit import (AUDIT_TOLERANCE, KEPT_ROUNDS, Audits, chec
                                       commitment_of, make_receipt, verdict)
 from p2ptrain.averaging.compression import get_compression
 from p2ptrain.averaging.evidence import AverageSigner, judge, signed_average, verified_receipt
-from p2ptrain.averaging.reducer import Reducer
 from p2ptrain.averaging.robust import weight_cap
 from p2ptrain.averaging.wire_part import WireTensor
 from p2ptrain.proto import p2ptrain_pb2
 from p2ptrain.security import PeerSignatureValidator, peer_id_of
+from tests.reducers import reduce_part
 
 GROUP = b"g" * 32
 CODEC = get_compression("fp16")
@@ -49,13 +49,9 @@ def honest_inputs(n: int = 4, size: int = 512, seed: int = 0):
 
 def reduce(values, weights, aggregation: str, order, cap: float = float("inf")) -> torch.Tensor:
     """What p2ptrain's reducer answers when the senders' parts arrive in ``order``."""
-    async def run():
-        reducer = Reducer([values[0].shape], num_senders=len(values))
-        reducer.aggregation, reducer.contributions, reducer.weight_cap = aggregation, {}, cap
-        answers = await asyncio.gather(*(reducer.accumulate_part(i, 0, values[i], weights[i]) for i in order))
-        assert reducer.included_by_part[0] == sorted(order)
-        return answers[0]
-    return asyncio.run(run())
+    answers, reducer = reduce_part(values, weights, aggregation, order, cap)
+    assert reducer.included_by_part[0] == sorted(order)
+    return answers[0]
 
 
 def answer_of(average: torch.Tensor) -> bytes:

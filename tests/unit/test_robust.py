@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from p2ptrain.averaging.reducer import Reducer as _Reducer
 from p2ptrain.averaging.robust import CLIP_ITERATIONS, CLIP_RADIUS, WEIGHT_CAP, robust_aggregate, weight_cap
 from p2ptrain.outer import group_average
 from p2ptrain.averaging.compression import get_compression
+from tests.reducers import reduce_part
 
 
 def honest(n: int, size: int = 4096, seed: int = 0, spread: float = 0.5) -> list:
@@ -84,17 +83,10 @@ def test_the_reducer_answers_the_aggregate_in_group_order_whatever_the_arrival_o
     """Every sender gets the same bits, equal to robust_aggregate over the senders in the group's order."""
     parts = honest(4, size=64)
     weights = [1.0, 3.0, 2.0, 1.0]
-
-    async def reduce(order):
-        reducer = _Reducer([torch.Size([64])], num_senders=4)
-        reducer.aggregation, reducer.contributions = "clip", {}
-        answers = await asyncio.gather(*(reducer.accumulate_part(i, 0, parts[i], weights[i]) for i in order))
-        return answers
-
     for seed in range(3):
         order = list(range(4))
         random.Random(seed).shuffle(order)
-        answers = asyncio.run(reduce(order))
+        answers, _ = reduce_part(parts, weights, "clip", order)
         for answer in answers:
             assert torch.equal(answer, robust_aggregate(parts, weights, "clip"))
 
@@ -117,15 +109,8 @@ def test_a_claimed_weight_counts_at_most_twice_the_median():
     assert weight_cap([0.0, 0.0]) == float("inf")
     parts = honest(3, size=64)
     lie = -5 * parts[0]
-
-    async def reduce(weights):
-        reducer = _Reducer([torch.Size([64])], num_senders=4)
-        reducer.aggregation, reducer.contributions, reducer.weight_cap = "mean", {}, weight_cap(weights)
-        answers = await asyncio.gather(*(reducer.accumulate_part(i, 0, part, w)
-                                         for i, (part, w) in enumerate(zip(parts + [lie], weights))))
-        return answers[0]
-
-    capped = asyncio.run(reduce([24.0, 24.0, 24.0, 1e9]))
+    weights = [24.0, 24.0, 24.0, 1e9]
+    capped = reduce_part(parts + [lie], weights, "mean", range(4), weight_cap(weights))[0][0]
     assert torch.allclose(capped, (24 * (parts[0] + parts[1] + parts[2]) + 48 * lie) / (3 * 24 + 48), atol=1e-5)
     codec = get_compression("none")
     simulated = group_average([[p] for p in parts + [lie]], [24.0, 24.0, 24.0, 1e9], codec, 2 ** 19)[0]

@@ -3,7 +3,6 @@ member adds up and convicts, what a sender refuses and what an audit convicts of
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
@@ -16,11 +15,11 @@ from hivemind.proto import runtime_pb2
 from p2ptrain.averaging.audit import check_receipt, commitment, make_receipt, verdict
 from p2ptrain.averaging.bans import Bans
 from p2ptrain.averaging.compression import get_compression
-from p2ptrain.averaging.reducer import Reducer
 from p2ptrain.averaging.robust import check_aggregation
 from p2ptrain.averaging.sender_scores import CONVICTION_S, STEPS_POWER, RoundSums, SenderChecks
 from p2ptrain.proto import p2ptrain_pb2
 from p2ptrain.sender_check import ROUNDS, round_scores
+from tests.reducers import reduce_part as run_reducer
 
 CODEC = get_compression("fp16")
 CHECKED = "mean+check"
@@ -40,15 +39,8 @@ def pseudo_gradients(n: int, size: int, seed: int, scale=None) -> list:
 
 def reduce_part(parts, weights, aggregation=CHECKED, left_out=()):
     """One reducer's part: its receipt, as p2ptrain's reducer signs it, with the senders' serialized inputs."""
-    async def run():
-        reducer = Reducer([parts[0].shape], num_senders=len(parts))
-        reducer.aggregation, reducer.contributions, reducer.weight_cap = aggregation, {}, float("inf")
-        reducer.num_current_senders = len(parts) - len(left_out)
-        await asyncio.gather(*(reducer.accumulate_part(i, 0, parts[i], weights[i])
-                               for i in range(len(parts)) if i not in left_out))
-        return reducer.sums_by_part.get(0)
-
-    sums = asyncio.run(run())
+    _, reducer = run_reducer(parts, weights, aggregation, [i for i in range(len(parts)) if i not in left_out])
+    sums = reducer.sums_by_part.get(0)
     messages = [CODEC.compress(p, CompressionInfo.from_tensor(p)) for p in parts]
     entries = [None if i in left_out else (commitment(m), w) for i, (m, w) in enumerate(zip(messages, weights))]
     receipt = p2ptrain_pb2.Receipt.FromString(make_receipt(entries, float("inf"), aggregation, sums))
