@@ -232,10 +232,8 @@ def replays_table(replays: Dict[str, Dict[str, dict]], conditions: List[str], ra
              "inner steps over the trained ones:", ""]
 
     def cell(run: dict) -> str:
-        caught = ", ".join("-" if r is None else str(r) for r in run["attackers"]) or "n/a"
-        wrong = f"; honest convicted: {', '.join(run['honest'])}" if run["honest"] else ""
         honest = "-" if run["honest_deviation"] is None else f"{run['honest_deviation']:.1e}"
-        return f"{caught}{wrong} (honest {honest}; {run['overhead']:.0%} replayed)"
+        return f"{_caught(run)} (honest {honest}; {run['overhead']:.0%} replayed)"
 
     return lines + _grid(replays, conditions, cell)
 
@@ -270,12 +268,13 @@ def convictions_table(convictions: Dict[str, Dict[str, dict]], conditions: List[
              "in a row, left out after): the round each attacker was convicted in (- never), honest senders "
              "convicted, flags raised:", ""]
 
-    def cell(run: dict) -> str:
-        caught = ", ".join("-" if r is None else str(r) for r in run["attackers"]) or "n/a"
-        wrong = f"; honest convicted: {', '.join(run['honest'])}" if run["honest"] else ""
-        return f"{caught}{wrong} ({run['flags']} flags)"
+    return lines + _grid(convictions, conditions, lambda run: f"{_caught(run)} ({run['flags']} flags)")
 
-    return lines + _grid(convictions, conditions, cell)
+
+def _caught(run: dict) -> str:
+    """The round each attacker of a run was convicted in ("-" never), and the honest senders convicted, if any."""
+    caught = ", ".join("-" if r is None else str(r) for r in run["attackers"]) or "n/a"
+    return caught + (f"; honest convicted: {', '.join(run['honest'])}" if run["honest"] else "")
 
 
 def _grid(runs: Dict[str, Dict[str, Any]], conditions: List[str], cell: Callable[[Any], str]) -> List[str]:
