@@ -47,21 +47,21 @@ DRIFT_SCALE = 0.2
 Sends = Callable[[List[torch.Tensor]], List[torch.Tensor]]
 
 
-Admit = Callable[[List[List[torch.Tensor]]], List[bool]]
+Admit = Callable[..., List[bool]]
 
 
-def acting_check(check: Optional[SenderCheck], before: Optional[Admit] = None) -> Optional[Admit]:
-    """``run_diloco``'s ``admit``: scores the round's senders not convicted yet (nor left out by ``before``), and
-    averages those; one it convicts is left out from the next round on (in a swarm its scores come with the round's
-    results). Without a check, ``before`` alone."""
+def acting_check(check: Optional[SenderCheck], replay: Optional[ReplayAudit] = None) -> Optional[Admit]:
+    """``run_diloco``'s ``admit``: scores the round's senders not convicted yet (by it or by ``replay``, which replays
+    among the first), and averages those; one it convicts is left out from the next round on (in a swarm its scores
+    come with the round's results). Without a check, ``replay`` alone."""
     if check is None:
-        return before
+        return replay.admit if replay is not None else None
 
     def admit(sent: List[List[torch.Tensor]]) -> List[bool]:
         senders = [str(i) for i in range(len(sent))]
         kept = check.admitted(senders)
-        if before is not None:
-            kept = [ours and theirs for ours, theirs in zip(kept, before(sent), strict=True)]
+        if replay is not None:
+            kept = [ours and theirs for ours, theirs in zip(kept, replay.admit(sent, kept), strict=True)]
         members = [i for i, ok in enumerate(kept) if ok]
         check.observe(dict(zip([senders[i] for i in members], round_scores([sent[i] for i in members]))))
         return kept
@@ -186,7 +186,7 @@ def run_robust(setup: Setup, local_steps: int, aggregations: Sequence[str], atta
             check = SenderCheck() if checks_senders(aggregation) else None
             audit = ReplayAudit(setup, local_steps, replay_rate, seed=setup.seed) if replay_rate is not None else None
             loss = run_diloco(setup, local_steps, aggregation=rule_of(aggregation), attacks=sends, data_attacks=data,
-                              observe=seen, admit=acting_check(check, audit.admit if audit else None),
+                              observe=seen, admit=acting_check(check, audit),
                               phase_start=audit.phase_start if audit else None)
             rows[aggregation][name] = loss
             if audit is not None:

@@ -11,7 +11,7 @@ DiLoCo only (one fragment, no overlap).
 from __future__ import annotations
 
 import copy
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -41,11 +41,13 @@ class ReplayAudit:
         self._claims = [([p.detach().clone() for p in model.parameters()], copy.deepcopy(inner.state_dict()),
                          shard.state_dict()) for model, inner, shard in zip(models, inners, shards)]
 
-    def admit(self, sent: List[List[torch.Tensor]]) -> List[bool]:
-        """The round's senders not convicted yet; replays this round's drawn ones (convicting from the next round)."""
+    def admit(self, sent: List[List[torch.Tensor]], eligible: Optional[List[bool]] = None) -> List[bool]:
+        """The round's senders not convicted yet; replays this round's drawn ones among those (and among
+        ``eligible``: not left out by another check), convicting from the next round."""
         self.round += 1
         kept = [i not in self.convicted for i in range(len(sent))]
-        for _verifier, sender in self.audits.draw([str(i) for i, ok in enumerate(kept) if ok]):
+        averaged = [ok and (eligible is None or eligible[i]) for i, ok in enumerate(kept)]
+        for _verifier, sender in self.audits.draw([str(i) for i, ok in enumerate(averaged) if ok]):
             away = deviation(sent[int(sender)], self.replay(int(sender)))
             self.deviations.setdefault(int(sender), []).append(away)
             if away > TOLERANCE:

@@ -10,6 +10,10 @@ import torch
 
 from p2ptrain.bench.convergence import Setup
 from p2ptrain.bench.convergence_robust import run_robust
+from p2ptrain.bench.replay_audit import ReplayAudit
+from p2ptrain.bench.replicas import inner_optimizer, replica_data
+from p2ptrain.config import DiLoCoConfig
+from p2ptrain.model import build_model
 from p2ptrain.replay_check import TOLERANCE, Audits, deviation, verdict
 
 
@@ -69,3 +73,19 @@ def test_replaying_every_sender_convicts_a_drift_in_its_first_round_and_no_hones
     assert all(runs[name]["honest_deviation"] == 0.0 for name in runs)
     assert runs["drift"]["overhead"] == pytest.approx((4 + 3 * 3) / 16)  # the convicted sender is replayed no more
     assert f"more than {TOLERANCE:g} of its norm" in report.read_text()
+
+
+def test_a_replay_audit_replays_only_senders_the_round_averages(tmp_path):
+    """A sender another check has left out is not replayed (its replay would cost steps and catch nothing new), and a
+    replica's own claim replayed is its pseudo-gradient to the bit."""
+    setup = Setup(model="tiny", peers=4, batch_size=2, steps=2, eval_batches=1)
+    audit = ReplayAudit(setup, local_steps=2, rate=1.0)
+    shards, _ = replica_data(setup)
+    models = [build_model(setup.model, seed=setup.seed) for _ in range(4)]
+    inners = [inner_optimizer(m.parameters(), DiLoCoConfig()) for m in models]
+    audit.phase_start(models, inners, shards)
+    sent = [audit.replay(i) for i in range(4)]
+    assert audit.admit(sent, eligible=[True, True, True, False]) == [True] * 4
+    assert audit.audits.replayed == 3 and sorted(audit.deviations) == [0, 1, 2]
+    assert all(d == [0.0] for d in audit.deviations.values()) and audit.convicted == {}
+    assert audit.overhead() == pytest.approx(3 / 4)
