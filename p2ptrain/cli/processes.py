@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import sys
+import threading
 from typing import Callable
 
 logger = logging.getLogger("p2ptrain.cli")  # the commands' log lines keep one name
@@ -19,6 +21,18 @@ def install_stop_handlers(on_first: Callable[[], None]) -> None:
     exit 130 (``lifeline.force_exit``)."""
     main_pid = os.getpid()
     received = []
+    # on_first runs in a thread of its own, never in the handler: a handler runs in the main thread between two of
+    # its bytecodes, maybe while it holds the lock on_first takes (Event.set takes its Condition's plain Lock, which
+    # Event.wait holds on its way in and out), and the main thread then waited on itself forever: a bootstrap peer
+    # signalled as it entered its wait hung (tests/unit/test_stop_signals.py). Starting a thread in the handler would
+    # take threading's own plain lock, which the main thread may hold too.
+    stops: "queue.SimpleQueue[int]" = queue.SimpleQueue()
+
+    def stop_when_asked() -> None:
+        stops.get()
+        on_first()
+
+    threading.Thread(target=stop_when_asked, name="p2ptrain-stop", daemon=True).start()
 
     def handler(signum, _frame):
         if os.getpid() != main_pid:
@@ -30,7 +44,7 @@ def install_stop_handlers(on_first: Callable[[], None]) -> None:
         name = signal.Signals(signum).name
         if len(received) == 1:
             logger.warning(f"{name}: finishing the current step and leaving cleanly (send it again to force)")
-            on_first()
+            stops.put(signum)  # SimpleQueue.put is reentrant: the one handoff the docs allow in a signal handler
         else:
             logger.warning(f"{name} again: forcing exit")
             from p2ptrain.lifeline import force_exit
