@@ -46,7 +46,7 @@ def test_bootstrap_two_joins_status_and_clean_exit(tmp_path):
     key, other_key = tmp_path / "swarm.key", tmp_path / "other.key"
     assert all(k.result(timeout_s=60).returncode == 0 for k in [Started(tmp_path / f"keygen{i}", "keygen", str(path))
                                                                  for i, path in enumerate((key, other_key))])
-    boot = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(tmp_path / "maddrs"),
+    boot = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(tmp_path / "maddrs"), "--relays", "0",
                  "--identity", str(tmp_path / "boot.key"), "--swarm-key", str(key), log=tmp_path / "boot.log")
     workers, outsiders = [], []
     try:
@@ -254,8 +254,9 @@ def test_a_peer_with_a_swarm_key_is_told_the_swarm_is_open(tmp_path):
 def test_bootstrap_identity_is_stable(tmp_path):
     ids = []
     for run in range(2):
+        # no relay daemons (start_bootstrap's reason): on a loaded host their starts made most of the test's 26 s
         boot = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(tmp_path / f"m{run}"),
-                     "--identity", str(tmp_path / "id.key"), log=tmp_path / f"b{run}.log")
+                     "--relays", "0", "--identity", str(tmp_path / "id.key"), log=tmp_path / f"b{run}.log")
         try:
             ids.append(wait_for_file(tmp_path / f"m{run}", boot).rsplit("/", 1)[-1])
         finally:
@@ -452,7 +453,7 @@ def test_workers_wait_for_the_bootstrap_peers_file_and_health_files_track_both_d
     try:
         time.sleep(3)  # the workers start before the bootstrap peer and wait for its file
         assert all(w.poll() is None for w in workers), "a worker gave up before the file appeared"
-        boot = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(maddrs),
+        boot = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(maddrs), "--relays", "0",
                      "--health-file", str(boot_health), log=tmp_path / "boot.log")
         procs = [("bootstrap", boot)]
         wait_until(lambda: health(boot_health)[0] == 0, "the bootstrap peer to be healthy", 60, procs)

@@ -71,6 +71,7 @@ def swarm(tmp_path_factory):
     command; the workers leave after SYNCS syncs, the servers run until the module's tests are done."""
     tmp = tmp_path_factory.mktemp("observe")
     boot = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(tmp / "maddrs"), "--run-id", RUN,
+                 "--relays", "0",
                  "--metrics-port", "0", "--metrics-refresh", BOOT_LOOK_S, "--dashboard-port", "0",
                  log=tmp / "boot.log")
     procs = [boot]
@@ -229,7 +230,7 @@ def test_a_private_swarm_is_shown_only_to_a_key_holder(tmp_path):
     key, other = tmp_path / "swarm.key", tmp_path / "other.key"
     assert p2ptrain("keygen", str(key)).returncode == 0 and p2ptrain("keygen", str(other)).returncode == 0
     boot = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(tmp_path / "maddrs"), "--swarm-key",
-                 str(key), log=tmp_path / "boot.log")
+                 str(key), "--relays", "0", log=tmp_path / "boot.log")
     procs = [boot]
     try:
         maddr = wait_for_file(tmp_path / "maddrs", boot)
