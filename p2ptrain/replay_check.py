@@ -20,7 +20,7 @@ exceeds the tolerance (bf16 on GPUs: unmeasured). Plain torch; no network.
 from __future__ import annotations
 
 import random
-from typing import List, Optional, Sequence
+from typing import Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -48,10 +48,9 @@ def deviation(sent: Sequence[torch.Tensor], replayed: Sequence[torch.Tensor]) ->
     return (apart / norm) ** 0.5 if norm > 0 else float("inf")
 
 
-def verdict(sent: Sequence[torch.Tensor], replayed: Sequence[torch.Tensor],
-            tolerance: float = TOLERANCE) -> Optional[str]:
-    """None when the sent pseudo-gradient is the replayed one within ``tolerance``; else why the sender is convicted."""
-    away = deviation(sent, replayed)
+def verdict(away: float, tolerance: float = TOLERANCE) -> Optional[str]:
+    """None when a sent pseudo-gradient ``away`` (its ``deviation``) from its replay is within ``tolerance``; else why
+    its sender is convicted."""
     if away <= tolerance:
         return None
     return (f"its pseudo-gradient is {away:.3g} of its norm away from a replay of its claimed work "
@@ -70,7 +69,7 @@ class Audits:
         self.replayed = 0
         self._random = random.Random(seed)
 
-    def draw(self, senders: Sequence[str]) -> List[tuple]:
+    def draw(self, senders: Sequence[Hashable]) -> List[Tuple[Hashable, Hashable]]:
         """(verifier, sender) pairs for one round of ``senders``: a sender is replayed with probability ``rate``, by
         a member other than itself, chosen uniformly."""
         pairs = []

@@ -19,7 +19,7 @@ from p2ptrain.bench.replicas import Setup, inner_optimizer, inner_step, replica_
 from p2ptrain.config import DiLoCoConfig
 from p2ptrain.model import build_model
 from p2ptrain.outer import pseudo_gradient_
-from p2ptrain.replay_check import Audits, deviation, TOLERANCE
+from p2ptrain.replay_check import Audits, deviation, verdict
 
 
 class ReplayAudit:
@@ -47,11 +47,11 @@ class ReplayAudit:
         self.round += 1
         kept = [i not in self.convicted for i in range(len(sent))]
         averaged = [ok and (eligible is None or eligible[i]) for i, ok in enumerate(kept)]
-        for _verifier, sender in self.audits.draw([str(i) for i, ok in enumerate(averaged) if ok]):
-            away = deviation(sent[int(sender)], self.replay(int(sender)))
-            self.deviations.setdefault(int(sender), []).append(away)
-            if away > TOLERANCE:
-                self.convicted[int(sender)] = self.round
+        for _verifier, sender in self.audits.draw([i for i, ok in enumerate(averaged) if ok]):
+            away = deviation(sent[sender], self.replay(sender))
+            self.deviations.setdefault(sender, []).append(away)
+            if verdict(away) is not None:
+                self.convicted[sender] = self.round
         return kept
 
     def replay(self, sender: int) -> List[torch.Tensor]:

@@ -22,7 +22,7 @@ def test_a_replay_equal_up_to_fp16_rounding_is_no_deviation():
     assert deviation(replayed, replayed) == 0.0
     # a change below fp16's resolution is not on the wire either
     assert deviation([t * (1 + 1e-5) for t in replayed], replayed) < 1e-3
-    assert verdict([t.clone() for t in replayed], replayed) is None
+    assert verdict(deviation([t.clone() for t in replayed], replayed)) is None
 
 
 def test_a_drift_of_a_fifth_of_the_norm_convicts_and_says_how_far():
@@ -31,9 +31,9 @@ def test_a_drift_of_a_fifth_of_the_norm_convicts_and_says_how_far():
     bias = torch.randn(1000)
     sent = [replayed[0] + 0.2 * bias * replayed[0].norm() / bias.norm()]
     assert deviation(sent, replayed) == pytest.approx(0.2, rel=1e-3)
-    why = verdict(sent, replayed)
+    why = verdict(deviation(sent, replayed))
     assert why is not None and "0.2 of its norm away from a replay" in why
-    assert verdict(sent, replayed, tolerance=0.25) is None
+    assert verdict(deviation(sent, replayed), tolerance=0.25) is None
     assert deviation([torch.ones(3)], [torch.zeros(3)]) == float("inf")
 
 
