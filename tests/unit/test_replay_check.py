@@ -75,7 +75,7 @@ def test_replaying_every_sender_convicts_a_drift_in_its_first_round_and_no_hones
     assert f"more than {TOLERANCE:g} of its norm" in report.read_text()
 
 
-def test_a_replay_audit_replays_only_senders_the_round_averages(tmp_path):
+def test_a_replay_audit_replays_only_senders_the_round_averages():
     """A sender another check has left out is not replayed (its replay would cost steps and catch nothing new), and a
     replica's own claim replayed is its pseudo-gradient to the bit."""
     setup = Setup(model="tiny", peers=4, batch_size=2, steps=2, eval_batches=1)

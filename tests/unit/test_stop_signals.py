@@ -36,7 +36,7 @@ def test_a_stop_signal_while_the_main_thread_holds_the_stop_events_lock_stops_it
 
 def test_a_second_signal_forces_the_exit():
     script = textwrap.dedent("""
-        import os, signal, threading, time
+        import os, signal, time
         from p2ptrain.cli.processes import install_stop_handlers
         install_stop_handlers(lambda: None)
         os.kill(os.getpid(), signal.SIGTERM)
