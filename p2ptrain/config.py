@@ -126,6 +126,13 @@ class DiLoCoConfig:
     """parts of other reducers' ranges this peer recomputes after each round from their inputs (audit: a reducer that
     signed a wrong average is excluded, swarm-wide where the proof fits in the DHT); 0 turns audits off. Each costs
     about group size x 512 KiB of download (docs/security.md, "Verifying reducers")"""
+    replay_rate: float = setting(0.0, at_least=0)
+    """the replay check: the chance that this peer redoes each other sender's phase of a round from the claim it
+    gathered (its inner optimizer's state and data position at the phase's start) and compares the pseudo-gradient
+    with the one it sent; a sender more than 1% of its norm off is excluded by every member of its group from the
+    round after next. Costs this peer rate x (group size - 1) phases of compute a round; 0 turns it off, and then no
+    peer gathers claims. Blocking sync with a butterfly codec only; every peer of a run must agree
+    (docs/security.md, "Replaying a sender's work")"""
     sparse_k: int = setting(128, at_least=1, below=4097)
     """--compression sparse: values each peer sends of every chunk of 4096 (a 64x64 tile, or a run of the flattened
     tensor); 128: SparseLoCo's reference setting. Every peer of a run must agree"""

@@ -68,6 +68,10 @@ def check_combinations(config) -> None:
     need(d.compression != "sparse" or d.aggregation == "mean",
          f"--aggregation {d.aggregation} needs a butterfly codec: the sparse all-gather averages every message on every "
          "member; use --compression fp16 with it, or --aggregation mean")
+    need(d.replay_rate <= 1, f"diloco.replay_rate {d.replay_rate} is a chance: use a number in [0, 1]")
+    need(d.replay_rate == 0 or (d.compression != "sparse" and d.fragments == 1 and d.overlap_steps == 0),
+         "--replay-rate replays a blocking sync's pseudo-gradients: use it with --fragments 1, --overlap-steps 0 and "
+         "a butterfly codec (not --compression sparse)")
     need(t.shard_index is None or t.shard_index < t.num_shards,
          f"train.shard_index {t.shard_index} must be in [0, {t.num_shards}); or leave it unset to claim one")
     need(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),

@@ -206,3 +206,11 @@ def load_stepped_state_(outer_optimizer: torch.optim.Optimizer, global_params: S
     if params is not None:
         for p, g in zip(params, global_params, strict=True):
             p.copy_(g)
+
+
+def mixes_groups(target_group_size: Optional[int], streaming: bool, outer_optimizer: torch.optim.Optimizer) -> bool:
+    """Whether this peer keeps the stepped-state buffers of mixing groups: it caps its groups (below the swarm's size
+    several groups form each round), syncs all parameters at once (a fragment's round has no such path yet), and its
+    outer step is linear in (parameters, momentum, pseudo-gradient) (``is_plain_or_nesterov_sgd``,
+    ``outer.stepped_state_``)."""
+    return target_group_size is not None and not streaming and is_plain_or_nesterov_sgd(outer_optimizer)

@@ -87,7 +87,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         # evidence.py: our averages go out signed; a signed average we refuse goes to on_bad_average (evidence)
         self._on_bad_average = on_bad_average or (lambda reducer, part_index, message, reason: None)
         # audit.py: the receipts we sign as a reducer and check as a sender, the inputs we keep for our auditors
-        self._receipts = Receipts(signer, require_receipts, weight_cap, aggregation, len(self.sender_peer_ids))
+        self._receipts = Receipts(signer, require_receipts, weight_cap, aggregation, len(self.sender_peer_ids),
+                                  self.ordered_peer_ids.index(self.peer_id))
         self.kept_inputs = self._receipts.kept_inputs  # (part index, sender index) -> the part as it came
         self.sender_sums = self._receipts.sums  # the senders' sums of every part, under the sender check
         self.audit_targets: List[tuple] = []  # (reducer, part index, its answer): the parts we audit after the round

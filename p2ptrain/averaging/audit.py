@@ -333,6 +333,14 @@ class Audits:
             data = None
         return p2ptrain_pb2.AuditInput(available=data is not None, tensor_part=data or b"")
 
+    def own_input(self, group_id: bytes, part_index: int, sender_index: int) -> Optional[bytes]:
+        """One of our kept inputs, serialized, for this peer's own use (a replay: replay_serving.py); None if gone."""
+        kept = self._kept.get(group_id)
+        try:
+            return None if kept is None else kept.serialized((part_index, sender_index))
+        except OSError:
+            return None
+
     def start(self, group_id: bytes, targets: List[Tuple[PeerID, int, averaging_pb2.AveragingData]],
               codec: WireCodec) -> None:
         ended = time.monotonic()

@@ -34,9 +34,10 @@ from p2ptrain.averaging.evidence import BAN_S, Evidence
 from p2ptrain.averaging.flat_outputs import OutputBufferSlot
 from p2ptrain.averaging.matchmaking import SteeredMatchmaking
 from p2ptrain.averaging.part_size import RATE_KEY, round_part_size
-from p2ptrain.averaging.part_stream import LINGER_S, handler_name, serve_part_stream
+from p2ptrain.averaging.part_stream import handler_name, linger_after_refusal, serve_part_stream
 from p2ptrain.averaging.plan import RoundReport, SharedRoundPlan, act_as
 from p2ptrain.averaging.process import enter_averager_process, leave_averager_process
+from p2ptrain.averaging.replay_serving import ReplayServing
 from p2ptrain.averaging.robust import check_aggregation, weight_cap
 from p2ptrain.averaging.round import (IncompleteRoundError, RoundResult, claimed_weights, mixes_states,
                                       own_norm_scale, read_gathered, schema_hash)
@@ -54,14 +55,6 @@ from p2ptrain.security import SwarmAuth
 logger = get_logger(__name__)
 
 
-async def linger_after_refusal() -> None:
-    """Keep a refused stream open until its sender hangs up, as it does on reading the refusal (hivemind then cancels
-    this wait), at most ``LINGER_S``: a handler that ended at once closed its socket, p2pd reset the stream, and the
-    answer was lost (the rogue test's protocol-9 part got no code: once in each of the last two sessions' runs).
-    The part stream's refusals linger the same way (part_stream._answer_and_linger)."""
-    await asyncio.sleep(LINGER_S)
-
-
 class PseudoGradientAverager(DecentralizedAverager):
     """Averages a fixed set of CPU tensors with the peers that are ready at the same time.
 
@@ -76,7 +69,7 @@ class PseudoGradientAverager(DecentralizedAverager):
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: DHT, *, compression: str,
                  max_norm_ratio: Optional[float] = 10.0, fragments: Optional[Sequence[Sequence[int]]] = None,
                  state_tensors: Sequence[torch.Tensor] = (), sparse_k: int = 128, aggregation: str = "mean",
-                 audit_parts: int = AUDIT_PARTS, **kwargs):
+                 audit_parts: int = AUDIT_PARTS, replay: bool = False, **kwargs):
         check_hivemind()  # the internals below are hivemind 1.1.12's: refuse another hivemind in one line
         self.compression_name = compression
         # how a reducer combines its members' parts (robust.py): part of the schema, so a group agrees on it
@@ -96,7 +89,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         super().__init__([*averaged_tensors, *state_tensors], dht,
                          compression=get_compression("none" if compression == SPARSE else compression),
                          start=False, **kwargs)
-        self.schema_hash = schema_hash(averaged_tensors, compression, sparse_k, aggregation)
+        self.schema_hash = schema_hash(averaged_tensors, compression, sparse_k, aggregation, replay)
         # the host sets the plan before each step (set_round_plan); the averager process reads it when the step starts
         self.plan = SharedRoundPlan(self.matchmaking_kwargs["min_matchmaking_time"])
         self.report = RoundReport()  # incomplete rounds, their failed members, group lookups: the host reads them
@@ -112,13 +105,16 @@ class PseudoGradientAverager(DecentralizedAverager):
                                   stub=lambda peer: self.get_stub(p2p_of(self), peer, namespace=self.prefix),
                                   ban=self.ban, is_banned=self.is_banned)
         self.sparse = SparseGather(context, sparse_layout, self.fragments, max_norm_ratio)
+        self.auditor = Audits(context, audit_parts, lambda *args, **kwargs: self.evidence.report_bad_average(
+            *args, **kwargs))  # audit.py
+        # the replay check (diloco/replay.py): our claims served, others' claims and parts fetched for the host
+        self.replay = ReplayServing(context, self.total_size, self.auditor.own_input) if replay else None
         self.state_donor = StateDonor(context, self.serializer, partial(current_state_from_host, self),
-                                      lambda: self.allow_state_sharing, self._fault)
+                                      lambda: self.allow_state_sharing, self._fault, self.replay)
         # our averages go out signed with the DHT's identity key (start_dht attaches it); evidence.py
         self.evidence = Evidence(context, getattr(dht, "identity", None), self.codec, max_norm_ratio)
         self.state_download = StateDownload(context, self.serializer, self.total_size,
                                             partial(group_key_prefix, self), self.evidence.read)
-        self.auditor = Audits(context, audit_parts, self.evidence.report_bad_average)  # audit.py
 
     # ------------------------------------------------------------------------------ what the host reads and sets
 
@@ -203,6 +199,9 @@ class PseudoGradientAverager(DecentralizedAverager):
 
     async def _download_state(self, timeout_s: float, future: MPFuture) -> None:
         await self.state_download.run(timeout_s, future)  # in the averager process (download_state sent it)
+
+    async def _replay(self, call: str, **kwargs) -> None:
+        await self.replay.run(call, **kwargs)  # in the averager process (replay_serving.ask sent it)
 
     state_provider = None
     """A callable returning (metadata, tensors, infos) that newcomers download; set by DiLoCoOptimizer."""
@@ -300,9 +299,8 @@ class PseudoGradientAverager(DecentralizedAverager):
                                context: P2PContext) -> p2ptrain_pb2.SparseAck:
         return self.sparse.take_piece(request, context.remote_id)
 
-    async def rpc_download_state(
-        self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+    async def rpc_download_state(self, _request: averaging_pb2.DownloadRequest,
+                                 _context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
         """hivemind's one-donor, whole-state stream: not served; p2ptrain peers use the chunked calls above."""
         return
         yield  # an async generator that yields nothing: the caller sees an empty stream and moves on

@@ -59,6 +59,7 @@ def round_result(runner: ExactAllReduceRunner, group_size: int) -> RoundResult:
         bytes_received=runner.bytes_received,
         failed_fraction=container.failed_size / max(container.total_size, 1),
         phases=dict(runner.clock.seconds),
+        group_id=runner.group_id,
     )
 
 
@@ -98,6 +99,10 @@ async def run_butterfly(averager, tensors: Sequence[torch.Tensor], group_info: G
                                                        time.perf_counter() - started))
             averager.last_updated = time.time()
             averager.auditor.start(group_id, runner.audit_targets, runner._codec)
+            if averager.replay is not None and "deviation_scale" not in kwargs:  # a verifier may fetch a sender's parts
+                container = runner.tensor_part_container
+                averager.replay.record_round(group_id, group_info.peer_ids, runner.sender_peer_ids, container._slices,
+                                             runner._receipts.commitments, runner._codec, container.total_size)
             if runner.sender_sums is not None and "deviation_scale" not in kwargs:  # pseudo-gradients, not states
                 with runner.clock("checks"):
                     averager.sender_checks.judge(runner.sender_sums, runner.sender_peer_ids,

@@ -8,7 +8,7 @@ sender_scores.py)."""
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
@@ -22,13 +22,17 @@ from p2ptrain.sender_check import RangeSums
 
 class Receipts:
     def __init__(self, signer: Optional[AverageSigner], required: bool, weight_cap: float, aggregation: str,
-                 senders: int) -> None:
+                 senders: int, me: int = 0) -> None:
         self.signer, self._required = signer, required
         self._weight_cap, self._aggregation = weight_cap, aggregation
         self._commitments: Dict[tuple, tuple] = {}  # (part index, sender index) -> (commitment, weight)
         self.kept_inputs: Dict[tuple, runtime_pb2.Tensor] = {}  # (part index, sender index) -> the part as it came
         self.sent: Dict[tuple, bytes] = {}  # (reducer index, part index) -> our part's commitment
         self.signatures: Dict[int, bytes] = {}  # part index -> what our answer's ``peer_id`` field carries
+        self.me = me  # our index among the reducers
+        # (reducer index, part index) -> every sender's commitment in that part's receipt, ours and the others' (the
+        # replay check fetches a sender's parts against them: replay_serving.py)
+        self.commitments: Dict[tuple, List[bytes]] = {}
         self._reducer_keys: dict = {}  # the reducers' public keys checked so far (evidence._verify)
         # the senders' sums of every part whose receipt we checked or signed (the sender check), None without it
         self.sums: Optional[RoundSums] = RoundSums(senders) if checks_senders(aggregation) else None
@@ -45,6 +49,7 @@ class Receipts:
         commitments and weights, and their ``sums`` under the sender check), signed with it."""
         entries = [self._commitments.get((part_index, i)) if i in included else None for i in range(num_senders)]
         receipt = receipt_message(entries, self._weight_cap, self._aggregation, sums)
+        self.commitments[(self.me, part_index)] = list(receipt.commitments)
         self.signatures[part_index] = self.signer.sign(group_id, part_index, receipt.SerializeToString(), average)
         if self.sums is not None:
             self.sums.add(receipt)
@@ -61,6 +66,8 @@ class Receipts:
             return "an average that it did not sign"
         problem = check_receipt(receipt, senders=senders, me=me, sent=self.sent.get((reducer_index, part_index), b""),
                                 weight=weight, weight_cap=self._weight_cap, aggregation=self._aggregation)
+        if not problem:
+            self.commitments[(reducer_index, part_index)] = list(receipt.commitments)
         if not problem and self.sums is not None:
             self.sums.add(receipt)
         return problem

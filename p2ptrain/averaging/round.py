@@ -41,6 +41,8 @@ class RoundResult:
     """the group's members started from different global parameters (they averaged in different groups last round),
     so it averaged their stepped states (``outer.stepped_state_``: global parameters and outer momenta, in fp32)
     instead of their pseudo-gradients; the state buffers hold the group's mean"""
+    group_id: bytes = b""
+    """the group's id (butterfly rounds): a verifier asks the reducers for a sender's parts of it (replay check)"""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,13 +80,15 @@ MAX_PEER_LIST_BYTES = 4096
 """room for the ids of the members that failed a round (about 80 of them; 60 excluded peers with their ends)"""
 
 
-def schema_hash(averaged_tensors: Sequence[torch.Tensor], compression: str, sparse_k: int, aggregation: str) -> bytes:
+def schema_hash(averaged_tensors: Sequence[torch.Tensor], compression: str, sparse_k: int, aggregation: str,
+                replay: bool = False) -> bytes:
     """What matchmaking compares: peers whose hashes differ never end up in one group. Of the pseudo-gradients'
     shapes alone: a peer that also keeps state buffers (mixing groups) still groups with one that does not (a round
     between them averages pseudo-gradients, or repairs, as before)."""
     schema = [compute_schema_hash(averaged_tensors).hex(), f"compression={compression}",
               f"protocol={PROTOCOL_VERSION}", *([f"sparse_k={sparse_k}"] if compression == SPARSE else []),
-              *([f"aggregation={aggregation}"] if aggregation != "mean" else [])]
+              *([f"aggregation={aggregation}"] if aggregation != "mean" else []),
+              *(["replay"] if replay else [])]  # members of a replayed run gather claims and serve them
     return DHTID.generate(source=schema).to_bytes()
 
 

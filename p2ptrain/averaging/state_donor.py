@@ -51,7 +51,7 @@ class StateDonor:
     Created in the host before the averager process forks (its shared counters with it)."""
 
     def __init__(self, context: AveragerContext, serializer, state_from_host: Callable[[], Awaitable[tuple]],
-                 sharing_allowed: Callable[[], bool], fault=None) -> None:
+                 sharing_allowed: Callable[[], bool], fault=None, claims=None) -> None:
         self._context, self._serializer = context, serializer
         self._state_from_host, self._sharing_allowed = state_from_host, sharing_allowed
         self._fault = fault  # fault injection (p2ptrain.faults): die after serving that many chunks
@@ -65,6 +65,7 @@ class StateDonor:
         self._states_served = mp.Value(ctypes.c_int64, 0)
         self._state_bytes_served = mp.Value(ctypes.c_int64, 0)
         self._state_refused: Set[PeerID] = set()
+        self._claims = claims  # the replay check's claims (replay_serving.ReplayServing), served with these calls
 
     @property
     def states_served(self) -> int:
@@ -91,8 +92,11 @@ class StateDonor:
         return True
 
     async def info(self, request: p2ptrain_pb2.StateInfoRequest, caller: PeerID) -> p2ptrain_pb2.StateInfo:
-        """``rpc_state_info``: describe our current snapshot (taken now if we have none that is fresh)."""
-        if not self._sharing_allowed() or self._refuses(request, caller):
+        """``rpc_state_info``: describe our current snapshot (taken now if we have none that is fresh); with
+        ``claim_step``, the replay check's claim of that outer step's round instead (shown in client mode too)."""
+        if request.claim_step and self._claims is not None and not self._refuses(request, caller):
+            return self._claims.info(request.claim_step - 1)
+        if request.claim_step or not self._sharing_allowed() or self._refuses(request, caller):
             return p2ptrain_pb2.StateInfo(available=False)
         snapshot = await self._current_snapshot()
         self._states_served.value += 1
@@ -107,11 +111,14 @@ class StateDonor:
 
     def chunk(self, request: p2ptrain_pb2.StateChunkRequest, caller: PeerID) -> p2ptrain_pb2.StateChunk:
         """``rpc_state_chunk``: chunk ``request.index`` of the snapshot of the outer step and digest asked for."""
+        if request.claim_step and self._claims is not None and not self._refuses(request, caller):
+            return self._claims.chunk(request.claim_step - 1, request.digest, request.index)
         wanted = (request.outer_step, request.digest)
         snapshot = next((s for s in (self._snapshot, *self._older_snapshots)
                          if s is not None and (s.outer_step, s.digest) == wanted), None)
         if (
-            not self._sharing_allowed()
+            request.claim_step
+            or not self._sharing_allowed()
             or self._refuses(request, caller)
             or snapshot is None
             or request.index * CHUNK_VALUES >= snapshot.flat.numel()

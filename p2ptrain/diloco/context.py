@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -88,6 +88,8 @@ class PeerState:
     state_lock: threading.Lock = field(default_factory=threading.Lock)
     interrupted: threading.Event = field(default_factory=threading.Event)
     """set: stop looking for peers (the peer is leaving)"""
+    more_to_gather: Optional[Callable[[], dict]] = None
+    """what else this peer's join data carries (the replay check's claim and accusations: replay.py)"""
 
     @property
     def param_groups(self) -> list:

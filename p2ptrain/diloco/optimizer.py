@@ -30,6 +30,7 @@ from p2ptrain.diloco.membership import Membership
 from p2ptrain.diloco.options import DiLoCoOptions, resolve
 from p2ptrain.diloco.pseudo import Contribution
 from p2ptrain.diloco.records import SyncRecord, Throughput
+from p2ptrain.diloco.replay import replay_check_of
 from p2ptrain.diloco.reporting import Reporter
 from p2ptrain.diloco.round_policy import RoundSettings
 from p2ptrain.diloco.rounds import Rounds
@@ -37,7 +38,7 @@ from p2ptrain.diloco.state import StateSharing
 from p2ptrain.diloco.streaming import StreamingSync
 from p2ptrain.diloco.sync import BlockingSync
 from p2ptrain.fragments import FragmentPlan
-from p2ptrain.outer import is_plain_or_nesterov_sgd
+from p2ptrain.outer import mixes_groups
 from p2ptrain.pace import Pace
 from p2ptrain.swarm.relays import averages_as_client
 
@@ -104,7 +105,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.outer_optimizer = outer_optimizer(self.global_params)
         self.plan = FragmentPlan.build([g.numel() for g in self.global_params], settings.local_steps,
                                        settings.fragments, settings.overlap_steps, settings.merge_alpha)
-        self.mixing = _mixes_groups(settings.target_group_size, self.plan.streaming, self.outer_optimizer)
+        self.mixing = mixes_groups(settings.target_group_size, self.plan.streaming, self.outer_optimizer)
         """groups of at most target_group_size: when a group's members start from different global parameters
         (they averaged in different groups last round), it averages their stepped states (p2ptrain/mixing.py)"""
         self.dht, self.run_id = dht, run_id
@@ -132,6 +133,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         state.digest = state.global_digest()
         self.averager.set_host_outer_step(0)
         self.throughput = Throughput()
+        self._replay = replay_check_of(settings, options, state, inner_optimizer, self.averager.serializer)
         self.pace = Pace(settings.local_steps, enabled=settings.adaptive_steps)
         self._last_step_end: Optional[float] = None
         self.membership = Membership(dht, run_id, self.averager, options.progress,
@@ -159,7 +161,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             next_chunk_timeout=settings.averaging_timeout_s / 2, shutdown_timeout=5,
             client_mode=averages_as_client(self.dht) if options.client_mode is None else options.client_mode,
             max_norm_ratio=options.max_norm_ratio, sparse_k=settings.sparse_k, aggregation=settings.aggregation,
-            audit_parts=settings.audit_parts, fragments=self.plan.tensors,
+            audit_parts=settings.audit_parts, fragments=self.plan.tensors, replay=settings.replay_rate > 0,
             # mixing groups: this peer's stepped global parameters and outer momenta (Contribution.fill_stepped_state)
             state_tensors=[torch.zeros_like(g) for _ in range(2) for g in self.global_params] if self.mixing else (),
         )
@@ -174,8 +176,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                                      download_timeout_s=settings.averaging_timeout_s)
         self.averager.state_provider = self._sharing.shareable_state
         catch_up = (lambda started, attempts: self._catching_up.catch_up_and_join(started, attempts))
+        judge = self._replay.after_round if self._replay is not None else None  # the replay check (replay.py)
         self._blocking = BlockingSync(state, self._contribution, reporter, self.rounds,
-                                      self._sharing.repair_if_diverged, catch_up)
+                                      self._sharing.repair_if_diverged, catch_up, judge)
         max_extra_steps = settings.local_steps // 2 if settings.max_extra_steps is None else settings.max_extra_steps
         self._streaming = StreamingSync(state, self._contribution, reporter, self.rounds,
                                         self._sharing.repair_if_diverged, catch_up, max_extra_steps)
@@ -228,6 +231,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         extra = streaming is not None and streaming.finish_overdue()
         with s.state_lock:
             s.apply_lr_schedules()  # local_step may have jumped since the last step (a catch-up)
+            if self._replay is not None:
+                self._replay.before_inner_step()  # a phase's first step claims the phase (replay.py)
             loss = self.inner_optimizer.step(closure)
             stepped = time.perf_counter()
             if self._last_step_end is not None:  # this inner step's time: forward, backward, data, the update
@@ -251,6 +256,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 if streaming:
                     streaming.launch_due(0, real=False)
         self._sharing.serve_snapshot_request()  # a donor snapshot asked for since the last step: copy it now
+        if self._replay is not None:
+            self._replay.after_inner_step()
         if streaming:
             streaming.after_step(may_defer=True)
         if streaming and s.in_flight is not None:
@@ -390,10 +397,3 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     close = shutdown
 
-
-def _mixes_groups(target_group_size: Optional[int], streaming: bool, outer_optimizer: torch.optim.Optimizer) -> bool:
-    """Whether this peer keeps the stepped-state buffers of mixing groups: it caps its groups (below the swarm's size
-    several groups form each round), syncs all parameters at once (a fragment's round has no such path yet), and its
-    outer step is linear in (parameters, momentum, pseudo-gradient) (``outer.is_plain_or_nesterov_sgd``,
-    ``outer.stepped_state_``)."""
-    return target_group_size is not None and not streaming and is_plain_or_nesterov_sgd(outer_optimizer)

@@ -47,6 +47,9 @@ class DiLoCoOptions:
     """never accept incoming connections (peers behind NAT); None: the DHT's mode"""
     averager_start_timeout_s: float = 60.0
     """how long the averager process may take to start"""
+    replayer: Any = None
+    """the replay check's view of this peer's training (``diloco.replay.Replayer``: a replica of the model, the
+    data): needed where ``settings.replay_rate`` > 0"""
 
 
 def default_settings(local_steps: int) -> DiLoCoConfig:
@@ -60,7 +63,7 @@ SETTINGS_FIELDS = ("compression", "aggregation", "audit_parts", "sparse_k", "spa
                    "overlap_steps", "merge_alpha", "max_extra_steps", "adaptive_steps", "matchmaking_time_s",
                    "late_peer_wait_s", "averaging_timeout_s", "min_group_size", "target_group_size", "no_group_policy")
 """the old keyword arguments that are ``DiLoCoConfig`` fields now (``settings=``)"""
-OPTIONS_FIELDS = tuple(f.name for f in dataclasses.fields(DiLoCoOptions))
+OPTIONS_FIELDS = tuple(f.name for f in dataclasses.fields(DiLoCoOptions) if f.name != "replayer")
 """the old keyword arguments that are ``DiLoCoOptions`` fields now (``options=``)"""
 
 

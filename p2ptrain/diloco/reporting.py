@@ -58,7 +58,8 @@ class Reporter:
                     "mixing": s.stepped_ready,
                     # a pseudo-gradient of fewer inner steps than H (a newcomer's first, after it took the state
                     # mid-phase) is smaller than the others': widen its norm check in proportion
-                    "norm_scale": s.local_steps / max(1, min(s.steps_since_sync, s.local_steps))},
+                    "norm_scale": s.local_steps / max(1, min(s.steps_since_sync, s.local_steps)),
+                    **(s.more_to_gather() if s.more_to_gather is not None else {})},
         )
 
     def record(self, started: float, result: Optional[RoundResult], attempts: int, **flags) -> SyncRecord:

@@ -9,7 +9,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -129,14 +129,8 @@ class StateSharing:
         has_momentum = all(m is not None for m in momentum)
         if has_momentum:
             tensors += momentum
-        inner = []
-        for p in s.params:
-            state = s.inner_optimizer.state.get(p, {})
-            names = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0)
-            numbers = (int, float, torch.Tensor)
-            scalars = {k: float(v) for k, v in state.items() if k not in names and isinstance(v, numbers)}
-            tensors += [state[name] for name in names]
-            inner.append({"tensors": names, "scalars": scalars})
+        inner_tensors, inner = inner_state_layout(s.params, s.inner_optimizer)
+        tensors += inner_tensors
         metadata = {
             "outer_step": s.outer_step,
             "local_step": s.local_step,
@@ -187,12 +181,7 @@ class StateSharing:
                 for g, m in zip(s.global_params, rest[:n]):
                     s.outer_optimizer.state[g]["momentum_buffer"] = m.clone()
                 rest = rest[n:]
-            for p, spec in zip(s.params, metadata["inner"]):
-                # clones: the flat download buffer is freed once loaded
-                state = {name: rest[i].to(p.device, p.dtype, copy=True) for i, name in enumerate(spec["tensors"])}
-                rest = rest[len(spec["tensors"]):]
-                state.update({k: torch.tensor(v, dtype=torch.float32) for k, v in spec["scalars"].items()})
-                s.inner_optimizer.state[p] = state
+            load_inner_state(s.params, s.inner_optimizer, metadata["inner"], rest)
             for group, lr in zip(s.param_groups, metadata["lrs"]):
                 group["lr"] = lr
             for p, g in zip(s.params, s.global_params):
@@ -227,6 +216,31 @@ class StateSharing:
         with s.state_lock:
             s.apply_lr_schedules()
         return True
+
+
+def inner_state_layout(params: List[torch.Tensor], optimizer: torch.optim.Optimizer) -> Tuple[List[torch.Tensor],
+                                                                                          List[dict]]:
+    """An inner optimizer's state as tensors (each parameter's, by name) and their layout: per parameter, the names
+    of its state tensors and its scalars (AdamW's step)."""
+    tensors, layout = [], []
+    for p in params:
+        state = optimizer.state.get(p, {})
+        names = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0)
+        numbers = (int, float, torch.Tensor)
+        scalars = {k: float(v) for k, v in state.items() if k not in names and isinstance(v, numbers)}
+        tensors += [state[name] for name in names]
+        layout.append({"tensors": names, "scalars": scalars})
+    return tensors, layout
+
+
+def load_inner_state(params: List[torch.Tensor], optimizer: torch.optim.Optimizer, layout: List[dict],
+                     tensors: List[torch.Tensor]) -> None:
+    """Give ``optimizer`` the state ``inner_state_layout`` described (copies: the tensors may be a buffer's views)."""
+    for p, spec in zip(params, layout):
+        state = {name: tensors[i].to(p.device, p.dtype, copy=True) for i, name in enumerate(spec["tensors"])}
+        tensors = tensors[len(spec["tensors"]):]
+        state.update({k: torch.tensor(v, dtype=torch.float32) for k, v in spec["scalars"].items()})
+        optimizer.state[p] = state
 
 
 def check_downloaded_state(host: Any, metadata: Any, tensors: List[torch.Tensor]) -> str:

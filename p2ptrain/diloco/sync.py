@@ -35,9 +35,10 @@ class BlockingSync:
     """
 
     def __init__(self, state: PeerState, contribution: Contribution, reporter: Reporter, rounds,
-                 repair: Callable[[RoundResult], bool], catch_up: CatchUpAndJoin):
+                 repair: Callable[[RoundResult], bool], catch_up: CatchUpAndJoin,
+                 judge: Optional[Callable[[RoundResult, int], None]] = None):
         self.state, self.contribution, self.reporter, self.rounds = state, contribution, reporter, rounds
-        self.repair, self.catch_up = repair, catch_up
+        self.repair, self.catch_up, self.judge = repair, catch_up, judge
 
     @torch.no_grad()
     def sync(self) -> SyncRecord:
@@ -133,4 +134,7 @@ class BlockingSync:
         s.averager.set_host_outer_step(s.outer_step)
         # a mixing group's members differ by design: they averaged their states, there is nothing to repair
         repaired = result is not None and not mixed and self.repair(result)
+        if self.judge is not None and result is not None and not mixed and not repaired:
+            with clock("replay"):  # the replay check (replay.py): the round's senders, judged
+                self.judge(result, s.outer_step - 1)
         return self.reporter.record(started, result, attempts, repaired=repaired, **flags)
