@@ -41,7 +41,40 @@ def _drift(buffer: torch.Tensor) -> torch.Tensor:
     return buffer + direction * (0.2 * torch.linalg.vector_norm(buffer) / torch.linalg.vector_norm(direction))
 
 
-POISONS = {"drift": _drift, "x5": PLAUSIBLE_POISONS["x5"], "wrong-data": lambda b: b}
+class _Stale:
+    """The pseudo-gradient of its previous round (its first round's is honest)."""
+
+    def __init__(self) -> None:
+        self.previous = {}
+
+    def __call__(self, buffer: torch.Tensor) -> torch.Tensor:
+        sent = self.previous.get(id(buffer), buffer).clone()
+        self.previous[id(buffer)] = buffer.clone()
+        return sent
+
+
+POISONS = {"drift": _drift, "x5": PLAUSIBLE_POISONS["x5"], "wrong-data": lambda b: b, "stale": _Stale}
+"""what the rogue sends of its pseudo-gradient; "wrong-data" sends it as it is but trains on another map than the
+one its claims name; "stale" (a class: one memory per run) sends its last round's"""
+
+
+class Withholder(DiLoCoOptimizer):
+    """Gathers its claims like every member, but its averager shows none of them."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.averager.replay.keep_claim = lambda **_: None  # before the averager process forks (start)
+
+
+class FalseAccuser(DiLoCoOptimizer):
+    """An honest trainer that accuses ``victim`` of every round it was in."""
+
+    victim = ""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        gather = self._state.more_to_gather
+        self._state.more_to_gather = lambda: dict(gather(), accuse=[[self.victim, self.outer_step - 1]])
 
 
 def batch(seed: int, index: int, teacher: torch.Tensor = TEACHER):
@@ -74,17 +107,18 @@ class StreamReplayer:
         torch.nn.functional.mse_loss(self.replica(x), y).backward()
 
 
-def train(dhts, poison=None, rates=(1.0, 1.0, 1.0, 1.0)):
-    """One DiLoCoOptimizer per DHT, each in its own thread, with ``rates[i]``; peer 0 poisons if ``poison``."""
-    if poison is not None:
-        PLAUSIBLE_POISONS["replay-test"] = POISONS[poison]
+def train(dhts, poison=None, rates=(1.0, 1.0, 1.0, 1.0), rogue=PlausiblePoisoner):
+    """One DiLoCoOptimizer per DHT, each in its own thread, with ``rates[i]``; peer 0 is a ``rogue`` if ``poison``
+    (a ``PlausiblePoisoner`` sending ``POISONS[poison]``)."""
+    if poison in POISONS:
+        PLAUSIBLE_POISONS["replay-test"] = POISONS[poison]() if poison == "stale" else POISONS[poison]
         PlausiblePoisoner.poison = "replay-test"
     models = [make_deeper_model() for _ in dhts]
     streams = [StreamReplayer(seed=100 + i) for i in range(len(dhts))]
     honest = range(1 if poison is not None else 0, len(dhts))
     opts = []
     for i, (model, dht) in enumerate(zip(models, dhts)):
-        kind = DiLoCoOptimizer if i in honest else PlausiblePoisoner
+        kind = DiLoCoOptimizer if i in honest else rogue
         settings = DiLoCoConfig(local_steps=LOCAL_STEPS, compression="fp16", matchmaking_time_s=2.0,
                                 averaging_timeout_s=6.0, target_group_size=len(dhts), replay_rate=rates[i],
                                 no_group_policy="wait" if i in honest else "apply_local")
@@ -124,30 +158,31 @@ def train(dhts, poison=None, rates=(1.0, 1.0, 1.0, 1.0)):
             opt.close()
 
 
-def run_swarm(swarm_key, poison=None, rates=(1.0, 1.0, 1.0, 1.0)):
+def run_swarm(swarm_key, poison=None, rates=(1.0, 1.0, 1.0, 1.0), rogue=PlausiblePoisoner):
     dhts = honest_swarm(swarm_key, 4)
+    FalseAccuser.victim = dhts[1].peer_id.to_base58()
     try:
-        return train(dhts, poison, rates)
+        return train(dhts, poison, rates, rogue)
     finally:
         for dht in dhts:
             stop_dht(dht)
 
 
-def assert_excluded_from_round_3(params, histories, banned, ids):
+def assert_excluded_from_round_3(params, histories, banned, ids, excluded_from=EXCLUDED_FROM):
     rogue = ids[0]
     for history, excluded in zip(histories[1:], banned[1:]):
         rounds = [(r.outer_step, r.group_size, r.averaged) for r in history]
         assert [r.outer_step for r in history if r.averaged] == list(range(1, OUTER_STEPS + 1)), rounds
-        assert [r.group_size for r in history] == [4] * (EXCLUDED_FROM - 1) + [3] * (OUTER_STEPS - EXCLUDED_FROM + 1), \
+        assert [r.group_size for r in history] == [4] * (excluded_from - 1) + [3] * (OUTER_STEPS - excluded_from + 1), \
             rounds
-        assert all(rogue not in r.members for r in history[EXCLUDED_FROM - 1:]), rounds
+        assert all(rogue not in r.members for r in history[excluded_from - 1:]), rounds
         assert rogue in excluded and set(excluded) == {rogue}, excluded
     for other in params[1:]:
         assert all(torch.equal(a, b) for a, b in zip(other, params[0])), "the honest peers' models differ"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("poison", sorted(POISONS))
+@pytest.mark.parametrize("poison", ["drift", "wrong-data", "x5"])
 def test_a_poisoning_sender_is_found_by_its_replay_and_left_out_from_the_third_round(swarm_key, poison, capfd,
                                                                                   logs_to_stderr):
     params, histories, banned, ids, checks = run_swarm(swarm_key, poison)
@@ -160,6 +195,35 @@ def test_a_poisoning_sender_is_found_by_its_replay_and_left_out_from_the_third_r
     assert f"for {CONVICTION_S:.0f}s: the replay check convicted it: round 1:" in logs.err + logs.out
 
 
+@pytest.mark.slow
+def test_a_stale_pseudo_gradient_is_found_in_its_first_stale_round(swarm_key):
+    params, histories, banned, ids, checks = run_swarm(swarm_key, "stale")
+    assert_excluded_from_round_3(params, histories, banned, ids, excluded_from=EXCLUDED_FROM + 1)
+    for check in checks[1:]:
+        assert check.convicted[ids[0]].startswith("round 2:"), check.convicted
+        assert check.deviations[ids[0]][0] == 0.0, check.deviations  # its first round was honest
+
+
+@pytest.mark.slow
+def test_a_sender_that_does_not_show_its_claim_is_convicted_for_it(swarm_key):
+    params, histories, banned, ids, checks = run_swarm(swarm_key, "withhold", rogue=Withholder)
+    assert_excluded_from_round_3(params, histories, banned, ids)
+    for check in checks[1:]:
+        assert "does not show the claim it gathered" in check.convicted[ids[0]], check.convicted
+
+
+@pytest.mark.slow
+def test_a_false_accusation_costs_one_replay_and_silences_its_accuser(swarm_key, capfd, logs_to_stderr):
+    _, histories, banned, ids, checks = run_swarm(swarm_key, "accuse", rates=(1e-9,) * 4, rogue=FalseAccuser)
+    for history, excluded in zip(histories, banned):
+        assert [(r.outer_step, r.group_size) for r in history] == [(s, 4) for s in range(1, OUTER_STEPS + 1)], history
+        assert excluded == []
+    for check in checks[2:]:  # the victim's round 1, replayed once on the first accusation; the rest ignored
+        assert check.convicted == {} and check.deviations == {ids[1]: [0.0]}, check.deviations
+    assert f"peer {ids[0]} accused {ids[1]} of a false pseudo-gradient in round 1" in "".join(capfd.readouterr())
+
+
+@pytest.mark.slow
 def test_one_verifiers_accusation_has_the_others_replay_and_exclude_at_the_same_round(swarm_key):
     # the rogue and two honest peers draw (almost) never: only peer 1's replay finds the drift, and its accusation
     params, histories, banned, ids, checks = run_swarm(swarm_key, "drift", rates=(1e-9, 1.0, 1e-9, 1e-9))
