@@ -48,6 +48,9 @@ def test_file_then_overrides(tmp_path):
         ("[diloco]\ncompression = 'sparse'\naggregation = 'clip'\n",
          "--aggregation clip needs a butterfly codec: the sparse all-gather averages every message on every member"),
         ("[diloco]\naggregation = 'median'\n", "use one of: mean, clip, trim"),
+        ("[diloco]\nreplay_rate = 1.5\n", "diloco.replay_rate 1.5 is a chance: use a number in [0, 1]"),
+        ("[diloco]\nreplay_rate = 0.1\nfragments = 4\n",
+         "--replay-rate replays a blocking sync's pseudo-gradients: use it with --fragments 1"),
     ],
 )
 def test_bad_values_name_the_setting(tmp_path, text, fragment):
