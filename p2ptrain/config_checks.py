@@ -72,6 +72,8 @@ def check_combinations(config) -> None:
     need(d.replay_rate == 0 or (d.compression != "sparse" and d.fragments == 1 and d.overlap_steps == 0),
          "--replay-rate replays a blocking sync's pseudo-gradients: use it with --fragments 1, --overlap-steps 0 and "
          "a butterfly codec (not --compression sparse)")
+    need(d.replay_rate == 0 or t.precision != "fp16",
+         "--replay-rate cannot redo fp16 steps (the gradient scaler skips some); use --precision bf16 or fp32")
     need(t.shard_index is None or t.shard_index < t.num_shards,
          f"train.shard_index {t.shard_index} must be in [0, {t.num_shards}); or leave it unset to claim one")
     need(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),

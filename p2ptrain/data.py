@@ -285,6 +285,11 @@ class ShardedBatches:
     def state_dict(self) -> dict:
         return self.state_for(self.shard_index, self.epoch, self.position)
 
+    def reader(self) -> ShardedBatches:
+        """Another iterator over the same data in the same layout, on this one's shard, that stays on a shard."""
+        return ShardedBatches(self._data, self.block_size, self.batch_size, self.shard_index, self.num_shards,
+                              self.seed)
+
     def load_state_dict(self, state: dict) -> None:
         """Go to the shard and position in ``state``. A ValueError if it was saved by an iterator over different
         data: a position in another model, corpus or shard layout means nothing here."""

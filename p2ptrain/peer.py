@@ -36,6 +36,7 @@ from p2ptrain.swarm.shards import claim_shard
 from p2ptrain.train_loop import TrainLoop, compile_model, evaluate_held_out
 from p2ptrain.training_data import load_training_data
 from p2ptrain.worker_checkpoints import WorkerCheckpoints
+from p2ptrain.worker_replay import WorkerReplayer
 from p2ptrain.worker_report import WorkerReport
 
 __all__ = ["Worker", "WorkerReport", "pick_device"]
@@ -180,7 +181,10 @@ class Worker:
             model = build_from_spec(spec, seed=train_cfg.seed).to(device)
             model.activation_checkpointing = train_cfg.activation_checkpointing
             self.report.num_parameters = model.num_parameters()
-            ranks.build_optimizer(model, cfg, dht, publisher)
+            # the replay check: a replica of the model and the data to redo others' phases with (worker_replay.py)
+            replayer = WorkerReplayer(batches, build_from_spec(spec, seed=train_cfg.seed).to(device), train_cfg,
+                                      device, pinned=shards.pinned) if cfg.diloco.replay_rate > 0 else None
+            ranks.build_optimizer(model, cfg, dht, publisher, replayer)
             if ranks.leader:
                 logger.info(f"[{self.report.peer_id}] joined run {cfg.run_id!r}")
                 self.telemetry = self._open_telemetry(metrics, dht, publisher)
@@ -214,7 +218,7 @@ class Worker:
             loop = TrainLoop(train_cfg, ranks, self.report, stop=self._stop, show_progress=self.show_progress,
                              started=started, after_round=lambda: self._after_round(model, shards, evaluate),
                              evaluate=evaluate if train_cfg.eval_every else None, telemetry=self.telemetry)
-            loop.run(model, batches, device)
+            loop.run(model, replayer.track(batches) if replayer is not None else batches, device)
             if watch is not None and watch.lost:
                 self.report.stopped_by = "dht_lost"
             self._phase = "leaving"
@@ -308,6 +312,8 @@ class Worker:
         outer = getattr(opt, "diloco", opt)  # a sharded peer's leader holds the swarm-side optimizer
         if outer is not None:
             schedule["outer_lr"] = outer.outer_optimizer.param_groups[0]["lr"]
+            if outer.replay_check is not None:
+                self.report.replay = outer.replay_check.figures()
         self.report.add_round(record, batches, eval_loss, eval_s, connections, schedule)
         if self.telemetry is not None:
             self.telemetry.round(self.report.rounds[-1])

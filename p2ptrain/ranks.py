@@ -81,9 +81,10 @@ class PeerRanks(ABC):
         """The peer's member of the swarm (its counters are the peer's of record); None on the other ranks."""
 
     @abstractmethod
-    def build_optimizer(self, model: torch.nn.Module, cfg: RunConfig, dht,
-                        publisher: Optional[ProgressPublisher]) -> None:
-        """Make ``optimizer`` for ``model`` from the run's config (``dht`` and ``publisher``: the leader's)."""
+    def build_optimizer(self, model: torch.nn.Module, cfg: RunConfig, dht, publisher: Optional[ProgressPublisher],
+                        replayer: Any = None) -> None:
+        """Make ``optimizer`` for ``model`` from the run's config (``dht`` and ``publisher``: the leader's;
+        ``replayer``: the replay check's, ``worker_replay.py``)."""
 
     @abstractmethod
     def broadcast(self, obj: Any) -> Any:
@@ -127,7 +128,7 @@ def start_ranks(position: LocalRanks, device: torch.device, train: TrainConfig) 
     return HsdpMesh(position, device, init_ranks(position.world, position.local_rank, device, train.shard_size))
 
 
-def _optimizer_factories(cfg: RunConfig, dht, publisher: Optional[ProgressPublisher]):
+def _optimizer_factories(cfg: RunConfig, dht, publisher: Optional[ProgressPublisher], replayer: Any = None):
     """(inner optimizer, DiLoCoOptimizer) factories from the config; each still needs its parameters."""
     diloco_cfg = cfg.diloco
     inner = partial(
@@ -147,7 +148,7 @@ def _optimizer_factories(cfg: RunConfig, dht, publisher: Optional[ProgressPublis
         settings=diloco_cfg,
         options=DiLoCoOptions(batch_size=cfg.train.batch_size, progress=publisher,
                               inner_lr_schedule=inner_lr_schedule(diloco_cfg),
-                              outer_lr_schedule=outer_lr_schedule(diloco_cfg)),
+                              outer_lr_schedule=outer_lr_schedule(diloco_cfg), replayer=replayer),
     )
     return inner, make_diloco
 
@@ -169,8 +170,8 @@ class OneProcess(PeerRanks):
     def diloco(self) -> Optional[DiLoCoOptimizer]:
         return self.optimizer
 
-    def build_optimizer(self, model, cfg, dht, publisher) -> None:
-        inner, make_diloco = _optimizer_factories(cfg, dht, publisher)
+    def build_optimizer(self, model, cfg, dht, publisher, replayer=None) -> None:
+        inner, make_diloco = _optimizer_factories(cfg, dht, publisher, replayer)
         self.optimizer = make_diloco(model.parameters(), inner_optimizer=inner).start()
 
     def broadcast(self, obj: Any) -> Any:
@@ -222,7 +223,10 @@ class HsdpMesh(PeerRanks):
     def diloco(self) -> Optional[DiLoCoOptimizer]:
         return self.optimizer.diloco if self.optimizer is not None else None
 
-    def build_optimizer(self, model, cfg, dht, publisher) -> None:
+    def build_optimizer(self, model, cfg, dht, publisher, replayer=None) -> None:
+        if cfg.diloco.replay_rate > 0:
+            raise ConfigError("the replay check (--replay-rate) runs on peers of one process only for now; start this "
+                              "peer with one rank, or without it")
         if cfg.diloco.fragments > 1 or cfg.diloco.overlap_steps > 0:
             raise ConfigError("the streaming sync (--fragments, --overlap-steps) runs on peers of one process only "
                               "for now; start this peer with one rank, or without those flags")

@@ -56,6 +56,9 @@ class WorkerReport:
     """how that download went: bytes, chunks per donor, donors that failed part way"""
     first_loss: Optional[float] = None
     """training loss of this peer's first inner step (after any state download)"""
+    replay: Optional[Dict[str, Any]] = None
+    """the replay check (--replay-rate): replays made, their steps and seconds, bytes fetched for them, the largest
+    deviation of a replay from what its sender sent, the senders convicted and why"""
     data_cursor: Optional[Dict[str, Any]] = None
     """where this peer started in its shard, when it continued from another peer's published cursor"""
     startup_s: Optional[float] = None

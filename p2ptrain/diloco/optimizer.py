@@ -197,6 +197,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     # the state transfer's metrics: the last download (seconds, bytes, chunks per donor, failed donors), how long
     # serving the last snapshot held up training, the downloads completed and their bytes
     last_download, last_donor_pause_s = _of_sharing("last_download"), _of_sharing("last_donor_pause_s")
+    replay_check = property(lambda self: self._replay)  # the replay check (diloco/replay.py), or None
     states_taken, state_bytes_taken = _of_sharing("states_taken"), _of_sharing("state_bytes_taken")
 
     # ------------------------------------------------------------------------------------------------ its life
@@ -256,8 +257,6 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 if streaming:
                     streaming.launch_due(0, real=False)
         self._sharing.serve_snapshot_request()  # a donor snapshot asked for since the last step: copy it now
-        if self._replay is not None:
-            self._replay.after_inner_step()
         if streaming:
             streaming.after_step(may_defer=True)
         if streaming and s.in_flight is not None:

@@ -57,19 +57,25 @@ UNANSWERED_LIMIT = 2
 """claims a sender may leave unanswered (no answer at all, as a peer that just died) before it is convicted for it"""
 
 
+class NotReplayable(Exception):
+    """A replayer's word that it cannot redo a claim that may be honest (its data is not all nameable): the sender
+    is not judged for that round."""
+
+
 class Replayer(Protocol):
     """What a verifier needs of the user's training to redo a sender's steps: a replica of the model and the data."""
 
     def claim(self) -> dict:
-        """Where this peer's next inner steps take their data from (small, msgpack-able: a shard and a cursor);
-        asked when the optimizer is built and after each inner step."""
+        """Where the data of the inner step being taken comes from, and of the phase's steps after it (small,
+        msgpack-able: a shard and a cursor); asked at a phase's first inner step, its gradients computed."""
 
     def parameters(self) -> Sequence[torch.Tensor]:
         """A replica's parameters, in the optimizer's order (leaf tensors that require grad)."""
 
-    def backward(self, claim: dict, step: int) -> None:
-        """Forward and backward of inner step ``step`` (0 for the phase's first) of a phase whose data ``claim``
-        names, on the replica: leave its gradients in ``.grad``, clipped as the trainer clips them."""
+    def step(self, claim: dict, step: int, optimizer) -> None:
+        """Inner step ``step`` (0 for the phase's first) of a phase whose data ``claim`` names, on the replica, as
+        the trainer takes one: forward, backward, clipping, then ``optimizer.step()`` (which takes ``batch_size=``
+        as ``DiLoCoOptimizer.step`` does) and ``optimizer.zero_grad()``."""
 
 
 def step_runs(steps: Sequence[int]) -> List[List[int]]:
@@ -108,7 +114,6 @@ class ReplayCheck:
         self._inner_factory, self._serializer, self._max_steps = inner_factory, serializer, max_steps
         self._random = random.SystemRandom()
         self._phase: Optional[Tuple[int, str]] = None  # (outer step, claim digest) of the phase in progress
-        self._data = replayer.claim()  # the replayer's claim after the last inner step: the next one's data
         self._steps: List[int] = []  # the local steps of this phase's inner steps
         self._starts: Dict[int, List[torch.Tensor]] = {}  # outer step -> the global parameters it started from
         self._rounds: Dict[int, RoundResult] = {}  # outer step -> the round of it this peer applied
@@ -117,16 +122,16 @@ class ReplayCheck:
         self._ignored: Set[str] = set()  # accusers whose accusation our replay found false
         self._unanswered: Dict[str, int] = {}
         self.replays, self.replayed_steps, self.seconds = 0, 0, 0.0
-        """replays made, their inner steps and their seconds (metrics: the check's compute)"""
+        """replays made, their inner steps and their seconds (the check's compute)"""
+        self.fetched_bytes, self.fetch_s = 0, 0.0
+        """bytes of claims and sent parts fetched for them (the parts counted at the wire's 2 bytes a value), and the
+        seconds the fetches took"""
         self.deviations: Dict[str, List[float]] = {}
         """sender -> the deviation of each of its replays"""
         self.convicted: Dict[str, str] = {}
         """sender -> why this peer excluded it"""
 
     # ---------------------------------------------------------------------------------- this peer's own claims
-
-    def after_inner_step(self) -> None:
-        self._data = self.replayer.claim()
 
     def before_inner_step(self) -> None:
         """Call under the state lock before each inner step: a phase's first makes its claim."""
@@ -140,7 +145,7 @@ class ReplayCheck:
         tensors, layout = inner_state_layout(s.params, s.inner_optimizer)
         flat = flatten_state(tensors)
         metadata = self._serializer.dumps({"inner": layout, "shapes": [list(t.shape) for t in tensors],
-                                           "data": self._data})
+                                           "data": self.replayer.claim()})
         digest = claim_digest(flat, metadata)
         ask(s.averager, "keep_claim", outer_step=s.outer_step, flat=flat, metadata=metadata, digest=digest)
         self._phase, self._steps = (s.outer_step, digest), []
@@ -210,8 +215,10 @@ class ReplayCheck:
         steps = steps_of(claim.get("steps")) if isinstance(claim, dict) else None
         if steps is None or not isinstance(claim.get("digest"), str) or len(steps) > self._max_steps:
             return self._found(sender, outer_step, "it gathered no claim of its work (or one it could not have made)")
+        fetch_started = time.perf_counter()
         fetched = ask(self.state.averager, "fetch_claim", FETCH_TIMEOUT_S, peer=sender, outer_step=outer_step,
                       digest=claim["digest"])
+        self.fetch_s += time.perf_counter() - fetch_started
         if fetched is None or isinstance(fetched[0], str):
             why, refused = fetched if fetched is not None else ("no answer", False)
             self._unanswered[sender] = self._unanswered.get(sender, 0) + (not refused)
@@ -220,14 +227,22 @@ class ReplayCheck:
                 logger.warning(f"{self.state.tag()} could not replay {sender}'s round {outer_step + 1}: {why}")
                 return None
             return self._found(sender, outer_step, f"asked for the claim of its round {outer_step + 1}: {why}")
+        fetch_started = time.perf_counter()
         sent = ask(self.state.averager, "fetch_sent", FETCH_TIMEOUT_S, group_id=result.group_id, peer=sender)
+        self.fetch_s += time.perf_counter() - fetch_started
+        self.fetched_bytes += len(fetched[0]) + 4 * fetched[1].numel()
         if not isinstance(sent, torch.Tensor):
             self._judged.discard((sender, outer_step))
             logger.warning(f"{self.state.tag()} could not replay {sender}'s round {outer_step + 1}: {sent}")
             return None
+        self.fetched_bytes += 2 * sent.numel()
         started = time.perf_counter()
         try:
             replayed = self._replay(self._starts[outer_step], *fetched, steps)
+        except NotReplayable as e:
+            self._judged.discard((sender, outer_step))
+            logger.info(f"{self.state.tag()} did not replay {sender}'s round {outer_step + 1}: {e}")
+            return None
         except Exception as e:  # anything in a claim that does not replay is the claimant's: it names its work
             return self._found(sender, outer_step, f"its claim cannot be replayed on this model ({e!r})"[:300])
         finally:
@@ -239,6 +254,13 @@ class ReplayCheck:
         logger.info(f"{self.state.tag()} replayed {sender}'s round {outer_step + 1} ({len(steps)} steps): "
                     f"{away:.3g} of its norm apart" + (" - guilty" if why else ""))
         return self._found(sender, outer_step, why) if why else ""
+
+    def figures(self) -> dict:
+        """What the check did so far (the worker's report): replays, their steps and seconds, fetches, verdicts."""
+        deviations = [d for ds in self.deviations.values() for d in ds]
+        return {"replays": self.replays, "replayed_steps": self.replayed_steps, "replay_s": round(self.seconds, 3),
+                "fetched_bytes": self.fetched_bytes, "fetch_s": round(self.fetch_s, 3),
+                "max_deviation": max(deviations, default=None), "convicted": dict(self.convicted)}
 
     def _found(self, sender: str, outer_step: int, why: str) -> str:
         logger.warning(f"{self.state.tag()} the replay check finds {sender} guilty in round {outer_step + 1}: {why}")
@@ -262,13 +284,15 @@ class ReplayCheck:
         inner = self._inner_factory(params)
         load_inner_state(params, inner, layout, tensors)
         schedule = self.state.inner_lr_schedule
+        stepper = _Stepper(inner)
         with torch.enable_grad():  # the sync runs without
             for k, local_step in enumerate(steps):
                 if schedule is not None:
                     scale_lrs(inner.param_groups, schedule(local_step))
                 inner.zero_grad(set_to_none=True)
-                self.replayer.backward(claim["data"], k)
-                inner.step()
+                self.replayer.step(claim["data"], k, stepper)
+                if stepper.steps != k + 1:
+                    raise RuntimeError(f"the replayer took {stepper.steps} optimizer steps for {k + 1} inner steps")
         replayed = [torch.empty_like(g) for g in start]
         pseudo_gradient_(replayed, start, [p.detach().to("cpu", torch.float32) for p in params])
         return flatten_state(replayed)
@@ -277,6 +301,21 @@ class ReplayCheck:
         why = self.convicted.get(sender, "accused, and found guilty by its replay here")
         ask(self.state.averager, "exclude", peer=sender, reason=f"the replay check convicted it: {why}",
             for_s=CONVICTION_S)
+
+
+class _Stepper:
+    """The replica's inner optimizer as a replayer steps it (the trainer's ``DiLoCoOptimizer`` API: ``step`` with
+    ``batch_size``), counting the steps."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner, self.steps = inner, 0
+
+    def step(self, closure=None, batch_size: Optional[int] = None):
+        self.steps += 1
+        return self.inner.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
 
 
 def replay_check_of(settings, options, state: PeerState, inner_factory: Callable[..., torch.optim.Optimizer],

@@ -86,7 +86,7 @@ def batch(seed: int, index: int, teacher: torch.Tensor = TEACHER):
 
 class StreamReplayer:
     """A peer's data stream and a replica of its model (``diloco.replay.Replayer``): the claim is the stream's seed
-    and the next batch's index."""
+    and the index of the batch last taken."""
 
     def __init__(self, seed: int) -> None:
         self.seed, self.next_batch = seed, 0
@@ -97,14 +97,16 @@ class StreamReplayer:
         return batch(self.seed, self.next_batch - 1, teacher)
 
     def claim(self) -> dict:
-        return {"seed": self.seed, "batch": self.next_batch}
+        return {"seed": self.seed, "batch": self.next_batch - 1}
 
     def parameters(self):
         return list(self.replica.parameters())
 
-    def backward(self, claim: dict, step: int) -> None:
+    def step(self, claim: dict, step: int, optimizer) -> None:
         x, y = batch(claim["seed"], claim["batch"] + step)
         torch.nn.functional.mse_loss(self.replica(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
 
 
 def train(dhts, poison=None, rates=(1.0, 1.0, 1.0, 1.0), rogue=PlausiblePoisoner):
