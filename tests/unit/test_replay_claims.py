@@ -1,6 +1,6 @@
 """The replay check's pieces without a swarm (diloco/replay.py, averaging/replay_serving.py): the steps a claim
 names, the digest that fixes a claim, the claims a sender keeps and serves, and what a DiLoCo peer must be given to
-run the check. The check itself runs in real swarms in tests/swarm/test_replay_check.py."""
+run the check. The check itself runs in real swarms in tests/swarm/test_replay_swarm.py."""
 
 from __future__ import annotations
 
@@ -67,3 +67,70 @@ def test_a_peer_that_replays_must_be_given_a_replica_and_a_blocking_sync():
     with pytest.raises(ValueError, match="replays a blocking sync's pseudo-gradients"):
         replay_check_of(DiLoCoConfig(replay_rate=0.1, fragments=2), DiLoCoOptions(replayer=object()), None, None,
                         None)
+
+
+class ListReplayer:
+    """A replica and a list of batches: the claim is the index of the phase's first batch."""
+
+    def __init__(self, model: torch.nn.Module, batches) -> None:
+        self.replica, self.batches = model, batches
+
+    def claim(self) -> dict:
+        return {"batch": 0}
+
+    def parameters(self):
+        return list(self.replica.parameters())
+
+    def step(self, claim: dict, step: int, optimizer) -> None:
+        x, y = self.batches[claim["batch"] + step]
+        torch.nn.functional.mse_loss(self.replica(x), y).backward()
+        optimizer.step(batch_size=len(x))
+        optimizer.zero_grad()
+
+
+def test_a_replay_follows_the_claimed_inner_state_schedule_and_strides_bit_for_bit():
+    """A phase of a slow peer (local steps 5, 7, 9: a stride of 2) under a warm-up schedule, from an inner state
+    of earlier steps: the replay gives its pseudo-gradient exactly, and the same claim at other local steps does not."""
+    from types import SimpleNamespace
+
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from p2ptrain.averaging.state_transfer import flatten_state
+    from p2ptrain.diloco.replay import ReplayCheck
+    from p2ptrain.diloco.state import inner_state_layout
+    from p2ptrain.schedules import scale_lrs
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+
+    def inner_factory(params):
+        return torch.optim.AdamW(params, lr=1e-2)
+
+    gen = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(4, 6, generator=gen), torch.randn(4, 2, generator=gen)) for _ in range(6)]
+    schedule = (lambda local_step: min(1.0, (local_step + 1) / 8))
+    trainer = model()
+    inner = inner_factory(trainer.parameters())
+    for i, local_step in enumerate([0, 1, 2]):  # earlier steps: the claimed inner state is not a fresh one
+        scale_lrs(inner.param_groups, schedule(local_step))
+        torch.nn.functional.mse_loss(trainer(batches[i][0]), batches[i][1]).backward()
+        inner.step()
+        inner.zero_grad()
+    start = [p.detach().clone() for p in trainer.parameters()]
+    tensors, layout = inner_state_layout(list(trainer.parameters()), inner)
+    metadata = MSGPackSerializer.dumps({"inner": layout, "shapes": [list(t.shape) for t in tensors],
+                                        "data": {"batch": 3}})
+    flat = flatten_state(tensors)
+    steps = [5, 7, 9]
+    for i, local_step in enumerate(steps):
+        scale_lrs(inner.param_groups, schedule(local_step))
+        torch.nn.functional.mse_loss(trainer(batches[3 + i][0]), batches[3 + i][1]).backward()
+        inner.step()
+        inner.zero_grad()
+    sent = torch.cat([(s - p.detach()).reshape(-1) for s, p in zip(start, trainer.parameters())])
+
+    state = SimpleNamespace(inner_lr_schedule=schedule)
+    check = ReplayCheck(state, ListReplayer(model(), batches), 1.0, inner_factory, MSGPackSerializer, max_steps=6)
+    assert torch.equal(check._replay(start, metadata, flat, steps), sent)
+    assert not torch.equal(check._replay(start, metadata, flat, [6, 7, 8]), sent)  # another schedule position

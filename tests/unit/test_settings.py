@@ -16,7 +16,8 @@ PEER = "/ip4/127.0.0.1/tcp/4001/p2p/QmSXUVsMGJFQBswMvF8D8Fmqy9QgjPzgfoqk3FUZv6gi
 # valid values that are not the default, where a type's plain sample would not do
 GOOD = {"swarm.initial_peers": [PEER], "swarm.host_maddrs": ["/ip4/127.0.0.1/tcp/0"],
         "swarm.announce_maddrs": ["/ip4/127.0.0.1/tcp/4001"], "train.model": "small", "train.device": "cpu",
-        "diloco.inner_betas": [0.8, 0.9], "diloco.merge_alpha": 0.25,  # merge_alpha: at most 1, checked by validate
+        "diloco.inner_betas": [0.8, 0.9],
+        "diloco.merge_alpha": 0.25, "diloco.replay_rate": 0.25,  # both at most 1: checked by validate
         "observe.log_to": ["tensorboard:runs"]}
 # settings whose other values need a second one set (a decaying schedule needs its end): (key, value) set beside
 COMPANIONS = {"diloco.lr_schedule": ("diloco.total_steps", 1000)}
