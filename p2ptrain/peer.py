@@ -312,8 +312,6 @@ class Worker:
         outer = getattr(opt, "diloco", opt)  # a sharded peer's leader holds the swarm-side optimizer
         if outer is not None:
             schedule["outer_lr"] = outer.outer_optimizer.param_groups[0]["lr"]
-            if outer.replay_check is not None:
-                self.report.replay = outer.replay_check.figures()
         self.report.add_round(record, batches, eval_loss, eval_s, connections, schedule)
         if self.telemetry is not None:
             self.telemetry.round(self.report.rounds[-1])
@@ -367,4 +365,7 @@ class Worker:
         """Write the report (after start-up, after every round, at exit), so it can be watched. The leader writes it
         for a peer of several ranks."""
         if self.report_path and (self.ranks is None or self.ranks.leader):
+            check = getattr(getattr(self.ranks, "diloco", None), "replay_check", None)
+            if check is not None:  # its replays run beside training: as far as they got
+                self.report.replay = check.figures()
             self.report.write(self.report_path)

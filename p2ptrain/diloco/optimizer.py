@@ -389,6 +389,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if state is not None and state.in_flight is not None and self.membership.started:
             self.interrupt()
             self.flush()  # a fragment round in flight: applied if its group averaged, else abandoned
+        if getattr(self, "_replay", None) is not None:
+            self._replay.settle(stop=True)  # the replay in progress ends; the averager must outlive it
         settings = self.settings
         attempt_s = settings.matchmaking_time_s + self._request_timeout_s + settings.averaging_timeout_s + 15.0
         self.membership.leave(self.interrupt, self._state.sync_lock, attempt_s,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from typing import Callable, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
@@ -121,6 +122,8 @@ class ReplayCheck:
         self._judged: Set[Tuple[str, int]] = set()
         self._ignored: Set[str] = set()  # accusers whose accusation our replay found false
         self._unanswered: Dict[str, int] = {}
+        self._job: Optional[threading.Thread] = None  # the last round's replays, beside the phase's training
+        self._stopping = False
         self.replays, self.replayed_steps, self.seconds = 0, 0, 0.0
         """replays made, their inner steps and their seconds (the check's compute)"""
         self.fetched_bytes, self.fetch_s = 0, 0.0
@@ -154,7 +157,9 @@ class ReplayCheck:
             del self._starts[old]
 
     def gather(self) -> dict:
-        """What this peer's join data carries: its claim for the round, and its accusations of the last one."""
+        """What this peer's join data carries: its claim for the round, and its accusations of the last one (once
+        the last round's replays are done: they ran during the phase)."""
+        self.settle()
         if self._phase is None or self._phase[0] != self.state.outer_step:
             return {ACCUSE_KEY: sorted([peer, step] for peer, step in self._accusing.items())}
         return {CLAIM_KEY: {"digest": self._phase[1], "steps": step_runs(self._steps)},
@@ -168,10 +173,33 @@ class ReplayCheck:
         and replay this round's senders."""
         if not result.group_id:
             return
-        me = self.state.peer_id
+        self.settle()
         self._rounds[outer_step] = result
         for old in [step for step in self._rounds if step < outer_step - 1]:
             del self._rounds[old]
+        # the replays run beside the next phase's training; the next sync's join data waits for them (gather)
+        self._job = threading.Thread(target=self._judge_round, name="replay-check", daemon=True,
+                                     args=(result, outer_step, dict(self._rounds), dict(self._starts)))
+        self._job.start()
+
+    def settle(self, stop: bool = False) -> None:
+        """Wait for the last round's replays (``stop``: only for the one in progress; used when leaving)."""
+        self._stopping = stop
+        job, self._job = self._job, None
+        if job is not None:
+            job.join()
+
+    def _judge_round(self, result: RoundResult, outer_step: int, rounds: Dict[int, RoundResult],
+                     starts: Dict[int, List[torch.Tensor]]) -> None:
+        try:
+            self._judge_round_of(result, outer_step, rounds, starts)
+        except Exception as e:  # the averager gone under a leaving peer, or a bug: never the training's end
+            logger.warning(f"{self.state.tag()} the replay check of round {outer_step + 1} stopped: {e!r}")
+
+    def _judge_round_of(self, result: RoundResult, outer_step: int, rounds: Dict[int, RoundResult],
+                        starts: Dict[int, List[torch.Tensor]]) -> None:
+        me = self.state.peer_id
+        judge = (lambda sender, step: None if self._stopping else self._judge(sender, step, rounds, starts))
         found, self._accusing = self._accusing, {}
         guilty = {peer: step for peer, step in found.items() if step == outer_step - 1}
         for accuser, entry in result.gathered.items():
@@ -184,7 +212,7 @@ class ReplayCheck:
                     continue
                 sender = item[0]
                 if (sender, outer_step - 1) not in self._judged:
-                    why = self._judge(sender, outer_step - 1)
+                    why = judge(sender, outer_step - 1)
                     if why:
                         guilty[sender] = outer_step - 1
                     elif why == "":
@@ -198,17 +226,18 @@ class ReplayCheck:
                    if peer != me and isinstance(entry, dict) and entry.get("weight", 1.0) != 0
                    and peer not in self.convicted]
         for sender in senders:
-            if self._random.random() < self.rate and self._judge(sender, outer_step):
+            if self._random.random() < self.rate and judge(sender, outer_step):
                 self._accusing[sender] = outer_step
 
-    def _judge(self, sender: str, outer_step: int) -> Optional[str]:
+    def _judge(self, sender: str, outer_step: int, rounds: Dict[int, RoundResult],
+               starts: Dict[int, List[torch.Tensor]]) -> Optional[str]:
         """Replay ``sender``'s work in the round of ``outer_step``: why it is guilty; "" if it is not; None if it
         could not be judged (then it is not counted as judged)."""
-        result = self._rounds.get(outer_step)
+        result = rounds.get(outer_step)
         entry = result.gathered.get(sender) if result is not None else None
-        if not isinstance(entry, dict) or outer_step not in self._starts:
+        if not isinstance(entry, dict) or outer_step not in starts:
             return None
-        if entry.get("digest") != _digest_of(self._starts[outer_step]):
+        if entry.get("digest") != _digest_of(starts[outer_step]):
             return None  # it started from other parameters (the group repaired it): nothing to replay from
         self._judged.add((sender, outer_step))
         claim = entry.get(CLAIM_KEY)
@@ -238,7 +267,7 @@ class ReplayCheck:
         self.fetched_bytes += 2 * sent.numel()
         started = time.perf_counter()
         try:
-            replayed = self._replay(self._starts[outer_step], *fetched, steps)
+            replayed = self._replay(starts[outer_step], *fetched, steps)
         except NotReplayable as e:
             self._judged.discard((sender, outer_step))
             logger.info(f"{self.state.tag()} did not replay {sender}'s round {outer_step + 1}: {e}")
@@ -257,7 +286,7 @@ class ReplayCheck:
 
     def figures(self) -> dict:
         """What the check did so far (the worker's report): replays, their steps and seconds, fetches, verdicts."""
-        deviations = [d for ds in self.deviations.values() for d in ds]
+        deviations = [d for ds in list(self.deviations.values()) for d in list(ds)]  # beside the replays' thread
         return {"replays": self.replays, "replayed_steps": self.replayed_steps, "replay_s": round(self.seconds, 3),
                 "fetched_bytes": self.fetched_bytes, "fetch_s": round(self.fetch_s, 3),
                 "max_deviation": max(deviations, default=None), "convicted": dict(self.convicted)}

@@ -30,9 +30,10 @@ def test_honest_workers_replay_each_others_phases_and_agree(tmp_path):
             done = json.loads((tmp_path / f"w{i}.json").read_text())
             replay = done["replay"]
             own = [r for r in done["rounds"] if r["averaged"] and r["group_size"] == WORKERS]
-            # every round of the 3 in a group of 3: both others replayed, bit for bit (one thread each)
+            # every round of the 3 in a group of 3: both others replayed, bit for bit (one thread each), but the
+            # last round's replays, which a leaving worker may drop (they run beside the next phase, which it skips)
             assert len(own) == OUTER_STEPS, done["rounds"]
-            assert replay["replays"] == (WORKERS - 1) * OUTER_STEPS, replay
+            assert (WORKERS - 1) * (OUTER_STEPS - 1) <= replay["replays"] <= (WORKERS - 1) * OUTER_STEPS, replay
             assert replay["replayed_steps"] == replay["replays"] * LOCAL_STEPS, replay
             assert replay["max_deviation"] == 0.0 and replay["convicted"] == {}, replay
             assert "excluding peer" not in (tmp_path / f"w{i}.log").read_text()

@@ -152,6 +152,9 @@ def train(dhts, poison=None, rates=(1.0, 1.0, 1.0, 1.0), rogue=PlausiblePoisoner
             t.join(timeout=60)
         assert not errors, errors
         assert not any(t.is_alive() for t in threads), "a peer hung"
+        for opt in opts:  # the last round's replays, which run beside the next phase
+            if opt.replay_check is not None:
+                opt.replay_check.settle()
         return ([[p.detach().clone() for p in models[i].parameters()] for i in honest],
                 [list(o.history) for o in opts], [o.averager.banned_peers for o in opts],
                 [o.averager.peer_id.to_base58() for o in opts], [o._replay for o in opts])
