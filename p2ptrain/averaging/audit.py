@@ -266,6 +266,7 @@ class Audits:
         self.memory_budget = audit_memory_budget()
         """bytes of kept inputs held in memory; over it, the oldest rounds' go to a file (kept_inputs.py)"""
         self._tasks: set = set()
+        self.keep_last = 0  # the replay check fetches a sender's parts up to two rounds later, phases apart
         # parts audited, bytes fetched for them and reducers caught so far, and bytes of our kept inputs written out
         # of memory (the host reads: metrics, benchmarks)
         self._counts = mp.Array(ctypes.c_int64, 4)
@@ -278,11 +279,11 @@ class Audits:
         return {"parts": parts, "bytes": fetched, "caught": caught, "spilled": spilled}
 
     def keep(self, group_id: bytes, members: Sequence[PeerID], inputs: Dict[Tuple[int, int], runtime_pb2.Tensor]):
-        """Keep a round's inputs (filled while it runs) for ``AUDIT_KEEP_S``, the last ``KEPT_ROUNDS`` rounds."""
-        now = time.monotonic()
-        for old in [g for g, kept in self._kept.items() if kept.until < now]:
+        """Keep a round's inputs (filled while it runs) for ``AUDIT_KEEP_S`` (the last ``keep_last`` whatever their
+        age), the last ``KEPT_ROUNDS`` rounds."""
+        self._kept[group_id] = _Kept(frozenset(members), inputs, time.monotonic() + AUDIT_KEEP_S)
+        for old in [g for g in self._kept if not self._shown(g)]:
             self._kept.pop(old).drop()
-        self._kept[group_id] = _Kept(frozenset(members), inputs, now + AUDIT_KEEP_S)
         while len(self._kept) > KEPT_ROUNDS:
             self._kept.popitem(last=False)[1].drop()
 
@@ -324,7 +325,7 @@ class Audits:
     def input_for(self, request: p2ptrain_pb2.AuditRequest, caller: PeerID) -> p2ptrain_pb2.AuditInput:
         """``rpc_audit_input``: one kept input, to a member of its group."""
         kept = self._kept.get(request.group_id)
-        if kept is None or kept.until < time.monotonic() or caller not in kept.members:
+        if kept is None or not self._shown(request.group_id) or caller not in kept.members:
             return p2ptrain_pb2.AuditInput(available=False)
         try:
             data = kept.serialized((request.part_index, request.sender_index))
@@ -333,13 +334,10 @@ class Audits:
             data = None
         return p2ptrain_pb2.AuditInput(available=data is not None, tensor_part=data or b"")
 
-    def own_input(self, group_id: bytes, part_index: int, sender_index: int) -> Optional[bytes]:
-        """One of our kept inputs, serialized, for this peer's own use (a replay: replay_serving.py); None if gone."""
-        kept = self._kept.get(group_id)
-        try:
-            return None if kept is None else kept.serialized((part_index, sender_index))
-        except OSError:
-            return None
+    def _shown(self, group_id: bytes) -> bool:
+        """Whether a kept round's inputs are shown: younger than ``AUDIT_KEEP_S``, or of the last ``keep_last``."""
+        recent = self.keep_last and group_id in list(self._kept)[-self.keep_last:]
+        return recent or self._kept[group_id].until >= time.monotonic()
 
     def start(self, group_id: bytes, targets: List[Tuple[PeerID, int, averaging_pb2.AveragingData]],
               codec: WireCodec) -> None:

@@ -108,7 +108,8 @@ class PseudoGradientAverager(DecentralizedAverager):
         self.auditor = Audits(context, audit_parts, lambda *args, **kwargs: self.evidence.report_bad_average(
             *args, **kwargs))  # audit.py
         # the replay check (diloco/replay.py): our claims served, others' claims and parts fetched for the host
-        self.replay = ReplayServing(context, self.total_size, self.auditor.own_input) if replay else None
+        self.replay = ReplayServing(context, self.total_size, self.auditor.input_for) if replay else None
+        self.auditor.keep_last = 2 if replay else 0  # a round's parts are replayed up to two rounds later
         self.state_donor = StateDonor(context, self.serializer, partial(current_state_from_host, self),
                                       lambda: self.allow_state_sharing, self._fault, self.replay)
         # our averages go out signed with the DHT's identity key (start_dht attaches it); evidence.py

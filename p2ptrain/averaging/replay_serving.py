@@ -72,11 +72,11 @@ class _Round:
 
 
 class ReplayServing:
-    """The averager process's part of the replay check. ``input_of(group_id, part_index, sender_index)``: one of our
-    own kept inputs as a reducer, serialized (``audit.Audits``), or None."""
+    """The averager process's part of the replay check. ``input_for``: ``audit.Audits.input_for``, our kept inputs as
+    a reducer (a sender's part of our own range comes from there)."""
 
-    def __init__(self, context: AveragerContext, total_size: int, input_of) -> None:
-        self._context, self._total_size, self._input_of = context, total_size, input_of
+    def __init__(self, context: AveragerContext, total_size: int, input_for) -> None:
+        self._context, self._total_size, self._input_for = context, total_size, input_for
         self._claims: "OrderedDict[int, _Claim]" = OrderedDict()
         self._rounds: "OrderedDict[bytes, _Round]" = OrderedDict()
 
@@ -183,11 +183,11 @@ class ReplayServing:
                     return f"its part #{part} of reducer #{reducer} is not in the average (or has no receipt)"
                 request = p2ptrain_pb2.AuditRequest(group_id=group_id, part_index=part, sender_index=sender)
                 if record.reducers[reducer] == self._context.peer_id:
-                    data = self._input_of(group_id, part, sender)
+                    reply = self._input_for(request, self._context.peer_id)
                 else:
                     reply = await asyncio.wait_for(
                         self._context.stub(record.reducers[reducer]).rpc_audit_input(request), FETCH_TIMEOUT_S)
-                    data = reply.tensor_part if reply.available else None
+                data = reply.tensor_part if reply.available else None
                 if data is None or commitment_of(data) != committed[sender]:
                     return f"reducer #{reducer} does not show its part #{part} as it signed for it"
                 part_values = record.codec.extract(runtime_pb2.Tensor.FromString(data))

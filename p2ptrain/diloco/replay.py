@@ -359,6 +359,9 @@ def replay_check_of(settings, options, state: PeerState, inner_factory: Callable
     if settings.fragments != 1 or settings.overlap_steps != 0 or settings.compression == "sparse":
         raise ValueError("replay_rate replays a blocking sync's pseudo-gradients: use it with fragments=1, "
                          "overlap_steps=0 and a butterfly codec (not compression='sparse')")
+    if state.averager.evidence.signer is None:
+        raise ValueError("replay_rate needs reducers that sign their receipts (a sender's parts are fetched against "
+                         "them): start the DHT with p2ptrain.swarm.dht.start_dht, which gives each peer its identity")
     check = ReplayCheck(state, options.replayer, settings.replay_rate, inner_factory, serializer,
                         max_steps=2 * settings.local_steps)
     state.more_to_gather = check.gather

@@ -76,22 +76,28 @@ def train(dhts, poison=None):
             errors.append(e)
 
     try:
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(dhts))]
-        for t in threads:
-            t.start()
-        for i in honest:
-            threads[i].join(timeout=240)
-        done.set()
-        for t in threads:
-            t.join(timeout=60)
-        assert not errors, errors
-        assert not any(t.is_alive() for t in threads), "a peer hung"
+        run_peers(run, len(dhts), honest, done, errors)
         return ([[p.detach().clone() for p in models[i].parameters()] for i in honest],
                 [list(o.history) for o in opts], [o.averager.banned_peers for o in opts],
                 [o.averager.peer_id.to_base58() for o in opts])
     finally:
         for opt in opts:
             opt.close()
+
+
+def run_peers(run, peers: int, honest, done: threading.Event, errors: list) -> None:
+    """``run(i)`` for every peer, each in a thread of its own: the honest ones until they end, then the others
+    until they see ``done``; fails on what any raised (into ``errors``) or on a peer that hangs."""
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(peers)]
+    for t in threads:
+        t.start()
+    for i in honest:
+        threads[i].join(timeout=240)
+    done.set()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "a peer hung"
 
 
 def run_swarm(swarm_key, poison=None):

@@ -22,6 +22,7 @@ from p2ptrain.averaging.sender_scores import CONVICTION_S
 from p2ptrain.config import DiLoCoConfig
 from p2ptrain.diloco.options import DiLoCoOptions
 from p2ptrain.swarm.dht import stop_dht
+from tests.swarm.test_poisoning_senders import run_peers
 from tests.swarm.test_rogue import (INNER, OUTER, PLAUSIBLE_POISONS, RUN, TEACHER, PlausiblePoisoner, honest_swarm,
                                     logs_to_stderr, make_deeper_model, swarm_key)
 
@@ -142,16 +143,7 @@ def train(dhts, poison=None, rates=(1.0, 1.0, 1.0, 1.0), rogue=PlausiblePoisoner
             errors.append(e)
 
     try:
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(dhts))]
-        for t in threads:
-            t.start()
-        for i in honest:
-            threads[i].join(timeout=240)
-        done.set()
-        for t in threads:
-            t.join(timeout=60)
-        assert not errors, errors
-        assert not any(t.is_alive() for t in threads), "a peer hung"
+        run_peers(run, len(dhts), honest, done, errors)
         for opt in opts:  # the last round's replays, which run beside the next phase
             if opt.replay_check is not None:
                 opt.replay_check.settle()

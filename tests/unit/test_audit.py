@@ -14,6 +14,7 @@ from hivemind.compression import CompressionInfo
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 
+from p2ptrain.averaging import audit
 from p2ptrain.averaging.audit import (AUDIT_TOLERANCE, KEPT_ROUNDS, Audits, check_receipt, choose_audits, commitment,
                                       commitment_of, make_receipt, verdict)
 from p2ptrain.averaging.compression import get_compression
@@ -280,6 +281,26 @@ def test_the_oldest_rounds_inputs_go_out_first_and_only_over_the_memory_budget(t
         assert [answer.tensor_part for answer in served] == serialized
     monkeypatch.setenv("P2PTRAIN_AUDIT_MEMORY_MB", "lots")  # not a number: the share of the RAM, and a warning
     assert Audits(None, 1, report=None).memory_budget > 0
+
+
+@pytest.mark.parametrize("keep_last, shown", [(0, [False, False, True]), (2, [False, True, True])])
+def test_under_the_replay_check_the_last_two_rounds_inputs_are_shown_whatever_their_age(monkeypatch, keep_last,
+                                                                                           shown):
+    """Audits are asked within seconds of their round; a replay may fetch a sender's parts of two rounds ago, phases
+    of minutes apart: those rounds' inputs stay shown past ``AUDIT_KEEP_S`` (the older ones go by age as before)."""
+    serialized, _, _ = honest_inputs(2)
+    auditor = PeerID(b"\x12\x20" + b"a" * 32)
+    clock = [1000.0]
+    monkeypatch.setattr(audit.time, "monotonic", lambda: clock[0])
+    audits = Audits(None, 1, report=lambda *args, **kwargs: None)
+    audits.keep_last = keep_last
+    rounds = [bytes([k]) * 32 for k in range(3)]
+    for group in rounds:
+        audits.keep(group, [auditor], {(0, i): message_of(s) for i, s in enumerate(serialized)})
+        clock[0] += audit.AUDIT_KEEP_S + 1  # a long phase between rounds
+    clock[0] -= audit.AUDIT_KEEP_S  # the last round is young
+    request = (lambda group: p2ptrain_pb2.AuditRequest(group_id=group, part_index=0, sender_index=1))
+    assert [audits.input_for(request(group), auditor).available for group in rounds] == shown
 
 
 @pytest.mark.parametrize("values", [0, 1, 100, 1 << 21])

@@ -43,7 +43,7 @@ def serving() -> ReplayServing:
     me = PeerID.from_base58("QmT5nVuW2JwLDe27ifFymp7pnc7tNLDoB25ohuSFH55GaJ")
     context = AveragerContext(prefix="run_diloco", auth=SwarmAuth(), dht=None, own_id=lambda: me,
                               stub=lambda peer: None, ban=lambda *args: None, is_banned=lambda peer: False)
-    return ReplayServing(context, total_size=CHUNK_VALUES, input_of=lambda *args: None)
+    return ReplayServing(context, total_size=CHUNK_VALUES, input_for=lambda *args: None)
 
 
 def test_a_sender_serves_its_last_claims_in_chunks_and_only_as_it_gathered_them():
