@@ -23,9 +23,9 @@ the start of its phase. Under ``replay_rate`` > 0 every member of a run does fou
 
 The cost: ``rate`` x (group size - 1) phases of compute per round on each member (the replays of a round run in a
 thread of their own beside the next phase's training; the next sync's join data waits for them, so a round's
-accusations and exclusions keep their boundaries), plus per replay the claim (the inner state: 8 bytes per parameter for AdamW) and the
-sent parts (2 bytes per parameter in fp16); each member keeps the last two phase starts' global parameters (8 bytes
-per parameter) and its averager its last three claims.
+accusations and exclusions keep their boundaries), plus per replay the claim (the inner state: 8 bytes per
+parameter for AdamW) and the sent parts (2 bytes per parameter in fp16); each member keeps the last two phase
+starts' global parameters (8 bytes per parameter) and its averager its last three claims.
 """
 
 from __future__ import annotations

@@ -91,8 +91,8 @@ def main() -> None:
         print(json.dumps(result), flush=True)
     name = "results-adaptive.json" if ADAPTIVE else "results.json"
     (HERE / name).write_text(json.dumps(results, indent=1) + "\n")
-    print(f"\n| rate | replays | replayed / trained steps | replay s / compute s | fetched MB | fetch s | sync s "
-          f"(mean) | max deviation | convicted | final eval loss |")
+    print("\n| rate | replays | replayed / trained steps | replay s / compute s | fetched MB | fetch s | sync s "
+          "(mean) | max deviation | convicted | final eval loss |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in results:
         print(f"| {r['rate']:g} | {r['replays']} | {r['replayed_steps'] / r['trained_steps']:.1%} | "
