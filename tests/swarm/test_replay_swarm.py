@@ -122,8 +122,11 @@ def train(dhts, poison=None, rates=(1.0, 1.0, 1.0, 1.0), rogue=PlausiblePoisoner
     opts = []
     for i, (model, dht) in enumerate(zip(models, dhts)):
         kind = DiLoCoOptimizer if i in honest else rogue
+        # no adaptive steps: every peer trains H steps a phase however loaded the host (strides are replayed as
+        # claimed: tests/unit/test_replay_claims.py), so runs with and without the check train the same steps
         settings = DiLoCoConfig(local_steps=LOCAL_STEPS, compression="fp16", matchmaking_time_s=2.0,
                                 averaging_timeout_s=6.0, target_group_size=len(dhts), replay_rate=rates[i],
+                                adaptive_steps=False,
                                 no_group_policy="wait" if i in honest else "apply_local")
         opts.append(kind(model.parameters(), dht=dht, run_id=RUN, inner_optimizer=INNER, outer_optimizer=OUTER,
                          settings=settings, options=DiLoCoOptions(batch_size=8, replayer=streams[i])).start())
@@ -259,7 +262,9 @@ def test_with_nobody_poisoning_every_replay_agrees_nobody_is_excluded_and_the_mo
         assert max(d for ds in check.deviations.values() for d in ds) == 0.0, check.deviations
     # the same swarm without the check ends on the same model: the check changes nothing it does not convict (up
     # to the order in which a reducer adds its senders' parts, which the arrivals set)
-    unchecked, _, _, _, _ = run_swarm(swarm_key, rates=(0.0,) * 4)
+    unchecked, unchecked_histories, _, _, _ = run_swarm(swarm_key, rates=(0.0,) * 4)
+    for history in unchecked_histories:
+        assert [(r.outer_step, r.group_size) for r in history] == [(s, 4) for s in range(1, OUTER_STEPS + 1)], history
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(params[0], unchecked[0]))
     with_check, without = held_out_loss(params[0]), held_out_loss(unchecked[0])
     print(f"held-out loss with the replay check {with_check:.6f}, without {without:.6f}")
